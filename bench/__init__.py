@@ -1,0 +1,1 @@
+"""Load generation, benchmarks, calibration and the SGLang simulator."""

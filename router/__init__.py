@@ -1,0 +1,1 @@
+"""Load-aware OpenAI-compatible router for speculative and baseline SGLang pools."""
