@@ -1,0 +1,214 @@
+"""Figures from request records (bench_serving's names and formulas), terminal tables, JSON/CSV, plots."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.load import LevelRun
+
+STATS = ("mean", "median", "p90", "p95", "p99")
+METRICS = ("ttft", "tpot", "itl", "e2e_latency")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks, as numpy.percentile's default (bench_serving uses it)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {s: math.nan for s in STATS}
+    return {
+        "mean": sum(values) / len(values),
+        "median": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+    }
+
+
+def tpot(latency: float, ttft: float, output_tokens: int) -> float | None:
+    """Time per output token after the first: (latency - ttft) / (tokens - 1); undefined for 1 token."""
+    if output_tokens <= 1:
+        return None
+    return (latency - ttft) / (output_tokens - 1)
+
+
+def itls(chunk_times: Sequence[float]) -> list[float]:
+    """Gaps between consecutive chunks carrying text (a speculative chunk may hold several tokens)."""
+    return [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
+
+
+def compute(run: LevelRun, speedup: float = 1.0) -> dict:
+    """All figures of one level. `speedup` K: the target's clock ran K times faster than the wall clock,
+    so throughputs are divided by K and latencies multiplied by K to report the simulated deployment."""
+    ok = [r for r in run.records if r.ok]
+    failed = [r for r in run.records if not r.ok]
+    k = float(speedup)
+    duration = run.duration * k
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    ttfts = [r.ttft * k for r in ok]
+    e2es = [r.latency * k for r in ok]
+    tpots = [t * k for r in ok if (t := tpot(r.latency, r.ttft, r.output_tokens)) is not None]
+    gaps = [g * k for r in ok for g in itls(r.chunk_times)]
+    fig: dict = {
+        "concurrency": run.concurrency,
+        "request_rate": run.request_rate,
+        "completed": len(ok),
+        "failed": len(failed),
+        "duration_s": duration,
+        "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (out_tokens + in_tokens) / duration if duration > 0 else 0.0,
+        # Little's law over the run: how many requests were in flight on average.
+        "mean_concurrency": sum(e2es) / duration if duration > 0 else 0.0,
+        "accept_length": run.accept_length,
+        "usage_missing": sum(1 for r in ok if not r.usage_reported),
+    }
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", gaps), ("e2e_latency", e2es)):
+        for stat, v in summarize(vals).items():
+            fig[f"{stat}_{name}_ms"] = v * 1000.0
+    fig["errors"] = dict(Counter(_error_kind(r.error) for r in failed).most_common(5))
+    return fig
+
+
+def _error_kind(err: str | None) -> str:
+    return (err or "")[:120]
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+def level_key(fig: dict) -> str:
+    if fig.get("request_rate") is not None:
+        return f"{fig['request_rate']:g}/s"
+    return str(fig["concurrency"])
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def render_table(results: dict[str, list[dict]], title: str | None = None) -> str:
+    """Concurrency rows, one throughput column per target, ratios of each target to the first,
+    then median TTFT / ITL / E2E per target and failures."""
+    names = list(results)
+    first = names[0]
+    levels = [level_key(f) for f in results[first]]
+    rows_by = {n: {level_key(f): f for f in results[n]} for n in names}
+    head = ["conc" if results[first] and results[first][0].get("request_rate") is None else "rate"]
+    head += [f"{n} tok/s" for n in names]
+    head += [f"{n}/{first}" for n in names[1:]]
+    head += [f"{n} {m}" for m in ("TTFT p50 ms", "ITL p50 ms", "E2E p50 s") for n in names]
+    if any(f["failed"] for n in names for f in results[n]):
+        head += [f"{n} failed" for n in names]
+    body = []
+    for lv in levels:
+        figs = [rows_by[n].get(lv) for n in names]
+        row = [lv]
+        row += [_fmt(f and f["output_throughput"]) for f in figs]
+        base = figs[0]["output_throughput"] if figs[0] else 0
+        row += [f"{f['output_throughput'] / base:.2f}x" if f and base else "-" for f in figs[1:]]
+        row += [_fmt(f and f["median_ttft_ms"], 0) for f in figs]
+        row += [_fmt(f and f["median_itl_ms"], 1) for f in figs]
+        row += [_fmt(f and f["median_e2e_latency_ms"] / 1000.0, 2) for f in figs]
+        if len(head) > len(row):
+            row += [str(f["failed"]) if f else "-" for f in figs]
+        body.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    out = [title] if title else []
+    out += [line(head), line(["-" * w for w in widths])] + [line(r) for r in body]
+    return "\n".join(out)
+
+
+def render_markdown(results: dict[str, list[dict]]) -> str:
+    names = list(results)
+    first = names[0]
+    rows_by = {n: {level_key(f): f for f in results[n]} for n in names}
+    head = ["concurrency"] + [f"{n} tok/s" for n in names] + [f"{n} TTFT p50 ms" for n in names] \
+        + [f"{n} E2E p50 s" for n in names] + [f"{n} failed" for n in names]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f0 in results[first]:
+        lv = level_key(f0)
+        figs = [rows_by[n].get(lv) for n in names]
+        row = [lv] + [_fmt(f and f["output_throughput"]) for f in figs] \
+            + [_fmt(f and f["median_ttft_ms"], 0) for f in figs] \
+            + [_fmt(f and f["median_e2e_latency_ms"] / 1000.0, 2) for f in figs] \
+            + [str(f["failed"]) if f else "-" for f in figs]
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+def _clean(obj):
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(_clean(payload), indent=2) + "\n", encoding="utf-8")
+
+
+CSV_FIELDS = ["target", "concurrency", "request_rate", "completed", "failed", "duration_s",
+              "total_output_tokens", "total_input_tokens", "request_throughput", "output_throughput",
+              "total_token_throughput", "mean_concurrency", "accept_length"] + [
+    f"{s}_{m}_ms" for m in METRICS for s in STATS]
+
+
+def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for name, figs in results.items():
+            for f in figs:
+                w.writerow(_clean({**f, "target": name}))
+
+
+def plot(path: Path, results: dict[str, list[dict]], title: str = "") -> Path:
+    """Throughput, median TTFT and median ITL vs load, one line per target, log-scaled load axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    open_loop = any(f.get("request_rate") is not None for figs in results.values() for f in figs)
+    xkey = "request_rate" if open_loop else "concurrency"
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (("output_throughput", "output throughput (tok/s)"),
+              ("median_ttft_ms", "median TTFT (ms)"),
+              ("median_itl_ms", "median ITL (ms)"))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for name, figs in results.items():
+            pts = [(f[xkey], f[key]) for f in figs if f.get(key) is not None and not math.isnan(f[key])]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

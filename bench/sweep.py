@@ -1,0 +1,283 @@
+"""`python -m bench sweep`: load levels x targets, progress bar, terminal table, JSON + CSV + PNG."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import figures
+from bench.load import (
+    BenchInputError,
+    LoadSpec,
+    check_reachable,
+    load_prompts,
+    read_accept_length,
+    run_closed,
+    run_open,
+)
+
+DEFAULT_CONCURRENCY = "1,2,5,10,30,70,100,250"
+
+
+class ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage + exiting, so every bad flag is one line, exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ArgError(message)
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return _Parser(prog=prog, description=description)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return vals
+
+
+def positive(kind):
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return v
+    return conv
+
+
+def target(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=http://HOST:PORT, got {text!r}")
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return name, url
+
+
+def add_load_args(p: argparse.ArgumentParser, *, concurrency: str = DEFAULT_CONCURRENCY) -> None:
+    """Flags shared by sweep, compare, calibrate and demo."""
+    p.add_argument("--concurrency", type=int_list, default=int_list(concurrency),
+                   help=f"comma-separated closed-loop concurrency levels (default {concurrency})")
+    p.add_argument("--max-tokens", type=positive(int), default=512)
+    p.add_argument("--prompts", default="coding", help="coding | general | FILE.jsonl")
+    p.add_argument("--requests-per-level", type=positive(int), default=None,
+                   help="requests per level (default: 4 x concurrency, at least 16)")
+    p.add_argument("--duration-per-level", type=positive(float), default=None,
+                   help="seconds of wall time per level instead of a request count")
+    p.add_argument("--model", default="default", help="value of the 'model' field sent")
+    p.add_argument("--speedup", type=positive(float), default=1.0,
+                   help="the target's clock runs K times faster (simulator --speedup): report "
+                        "throughput / K and latencies x K")
+    p.add_argument("--timeout", type=positive(float), default=600.0, help="per-request timeout (s, wall)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send SGLang's ignore_eos so every request generates --max-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+
+
+@dataclass
+class SweepConfig:
+    targets: list[tuple[str, str]]
+    concurrency: list[int]
+    max_tokens: int = 512
+    prompts: str = "coding"
+    requests_per_level: int | None = None
+    duration_per_level: float | None = None
+    request_rates: list[float] | None = None
+    model: str = "default"
+    speedup: float = 1.0
+    timeout: float = 600.0
+    ignore_eos: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def requests_for(self, level: int) -> int | None:
+        if self.duration_per_level is not None and self.requests_per_level is None:
+            return None
+        return self.requests_per_level or max(16, 4 * level)
+
+    def as_dict(self) -> dict:
+        return {"targets": dict(self.targets), "concurrency": self.concurrency, "max_tokens": self.max_tokens,
+                "prompts": self.prompts, "requests_per_level": self.requests_per_level,
+                "duration_per_level": self.duration_per_level, "request_rates": self.request_rates,
+                "model": self.model, "speedup": self.speedup, "ignore_eos": self.ignore_eos, "seed": self.seed}
+
+
+def config_from_args(ns: argparse.Namespace, targets: list[tuple[str, str]]) -> SweepConfig:
+    return SweepConfig(targets=targets, concurrency=ns.concurrency, max_tokens=ns.max_tokens,
+                       prompts=ns.prompts, requests_per_level=ns.requests_per_level,
+                       duration_per_level=ns.duration_per_level,
+                       request_rates=getattr(ns, "request_rate", None), model=ns.model,
+                       speedup=ns.speedup, timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed)
+
+
+class ProgressBar:
+    """One self-rewriting stderr line on a terminal; one line per finished level otherwise."""
+
+    def __init__(self, total_levels: int, stream=None) -> None:
+        self.total = total_levels
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.label = ""
+        self._last = 0.0
+
+    def start_level(self, label: str) -> None:
+        self.label = label
+        self._last = 0.0
+        self.update(0, None)
+
+    def update(self, finished: int, expected: int | None) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.2 and finished != expected:
+            return
+        self._last = now
+        frac = (self.done + (finished / expected if expected else 0.0)) / max(self.total, 1)
+        bar = "#" * int(frac * 30)
+        count = f"{finished}/{expected}" if expected else f"{finished}"
+        self.stream.write(f"\r[{bar:<30}] {frac:4.0%} {self.label} {count} req   ")
+        self.stream.flush()
+
+    def end_level(self, summary: str) -> None:
+        self.done += 1
+        if self.tty:
+            self.stream.write("\r" + " " * 100 + "\r")
+        self.stream.write(f"[{self.done}/{self.total}] {self.label}: {summary}\n")
+        self.stream.flush()
+
+
+async def run_sweep(cfg: SweepConfig, quiet: bool = False) -> dict[str, list[dict]]:
+    """Every level, every target in turn (interleaved so drift hits all targets alike) -> figures."""
+    prompts = load_prompts(cfg.prompts)
+    for _, url in cfg.targets:
+        await check_reachable(url)
+    extra = dict(cfg.extra)
+    if cfg.ignore_eos:
+        extra["ignore_eos"] = True
+    levels: list = cfg.request_rates or cfg.concurrency
+    results: dict[str, list[dict]] = {name: [] for name, _ in cfg.targets}
+    bar = ProgressBar(len(levels) * len(cfg.targets), stream=None if not quiet else _Null())
+    for level in levels:
+        for name, url in cfg.targets:
+            if cfg.request_rates:
+                # Default: about 30 s of arrivals in the target's own time.
+                n = cfg.requests_per_level
+                if n is None and cfg.duration_per_level is None:
+                    n = max(16, int(level * 30))
+            else:
+                n = cfg.requests_for(level)
+            spec = LoadSpec(url=url, prompts=prompts, model=cfg.model, max_tokens=cfg.max_tokens,
+                            requests=n, duration=cfg.duration_per_level, timeout=cfg.timeout,
+                            extra_body=extra, seed=cfg.seed)
+            bar.start_level(f"{name} {'rate' if cfg.request_rates else 'c'}={level:g}")
+            if cfg.request_rates:
+                # The rate is stated in the target's time; its clock runs K times faster than the wall clock.
+                run = await run_open(spec, level * cfg.speedup, progress=bar.update)
+                run.request_rate = level
+            else:
+                run = await run_closed(spec, level, progress=bar.update)
+            run.accept_length = await read_accept_length(url)
+            fig = figures.compute(run, cfg.speedup)
+            results[name].append(fig)
+            bar.end_level(f"{fig['output_throughput']:.1f} tok/s, TTFT p50 {fig['median_ttft_ms']:.0f} ms, "
+                          f"{fig['completed']} ok, {fig['failed']} failed")
+            if fig["completed"] == 0 and fig["failed"]:
+                first = next(iter(fig["errors"]), "unknown error")
+                print(f"warning: every request to {name} failed at this level: {first}", file=sys.stderr)
+    return results
+
+
+class _Null:
+    def write(self, _s: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def write_outputs(out: Path, stem: str, cfg: dict, results: dict[str, list[dict]], title: str = "",
+                  plot: bool = True, extra: dict | None = None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.csv"]
+    figures.write_json(paths[0], {"config": cfg, "results": results, **(extra or {})})
+    figures.write_csv(paths[1], results)
+    if plot:
+        paths.append(figures.plot(out / f"{stem}.png", results, title=title))
+    return paths
+
+
+def run_async(coro):
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str]) -> int:
+    p = parser("python -m bench sweep",
+               "Closed-loop (or open-loop Poisson) concurrency sweep against OpenAI-compatible targets.")
+    p.add_argument("--target", type=target, action="append", required=True,
+                   help="NAME=URL of an OpenAI-compatible server (repeatable)")
+    p.add_argument("--request-rate", type=float_list, default=None,
+                   help="open-loop Poisson arrivals at these rates (req/s, comma-separated) instead of "
+                        "closed-loop concurrency levels")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default="sweep", help="file stem of the outputs (default sweep)")
+    add_load_args(p)
+    try:
+        ns = p.parse_args(argv)
+    except ArgError as exc:
+        print(f"bench sweep: {exc}", file=sys.stderr)
+        return 2
+    names = [n for n, _ in ns.target]
+    if len(set(names)) != len(names):
+        print("bench sweep: target names must be unique", file=sys.stderr)
+        return 2
+    cfg = config_from_args(ns, ns.target)
+    try:
+        results = run_async(run_sweep(cfg))
+    except BenchInputError as exc:
+        print(f"bench sweep: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench sweep: interrupted", file=sys.stderr)
+        return 130
+    print(figures.render_table(results))
+    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench sweep", plot=not ns.no_plot)
+    print("wrote " + ", ".join(str(x) for x in paths))
+    if all(f["completed"] == 0 for figs in results.values() for f in figs):
+        print("bench sweep: no request succeeded; see the 'failed' column and errors in the JSON",
+              file=sys.stderr)
+        return 1
+    return 0
