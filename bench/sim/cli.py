@@ -1,0 +1,95 @@
+"""`python -m bench sim`: run one simulated SGLang server until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from bench.sim.faults import Faults
+from bench.sim.profiles import builtin_names, load_profile, load_profile_file
+from bench.sim.server import SimConfig, SimServer
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        print(f"bench sim: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m bench sim",
+                description="Simulated SGLang 0.5.23 server (OpenAI API, /metrics, /health, ...) on one port.")
+    p.add_argument("--profile", default="baseline-tp8", help=f"built-in profile: {', '.join(builtin_names())}")
+    p.add_argument("--profile-file", help="a profile JSON file (e.g. from `python -m bench fit`); overrides --profile")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--speedup", type=float, default=1.0, help="run the clock K times faster")
+    p.add_argument("--model", help="served model name (default: the profile's model path)")
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--max-queued-requests", type=int)
+    p.add_argument("--startup-delay", type=float, default=0.0, help="seconds during which /health is 503")
+    p.add_argument("--seed", type=int, default=0)
+    f = p.add_argument_group("faults (wall-clock seconds; also settable at run time via POST /_sim/faults)")
+    f.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
+    f.add_argument("--error-status", type=int, default=500, choices=[500, 503])
+    f.add_argument("--hang", action="store_true", help="accept requests and never send a byte")
+    f.add_argument("--stall-after-chunks", type=int, help="stream N chunks, then go silent")
+    f.add_argument("--drop-after-chunks", type=int, help="close the connection after N chunks")
+    f.add_argument("--health-delay", type=float, default=0.0, help="seconds before /health answers")
+    f.add_argument("--health-status", type=int, help="force this /health status")
+    f.add_argument("--refuse-for", type=float, default=0.0, help="stop listening for S seconds after start")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Raises ValueError (ProfileError included) with a one-line message on bad input."""
+    profile = load_profile_file(args.profile_file) if args.profile_file else load_profile(args.profile)
+    try:
+        faults = Faults(error_rate=args.error_rate, error_status=args.error_status, hang=args.hang,
+                        stall_after_chunks=args.stall_after_chunks, drop_after_chunks=args.drop_after_chunks,
+                        health_delay=args.health_delay, health_status=args.health_status,
+                        refuse_for=args.refuse_for)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ValueError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    return SimConfig(profile=profile, model=args.model, speedup=args.speedup,
+                     max_running_requests=args.max_running_requests,
+                     max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay,
+                     seed=args.seed, faults=faults)
+
+
+async def _serve(cfg: SimConfig, host: str, port: int) -> int:
+    server = SimServer(cfg)
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        await server.close()
+        print(f"bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"listening on {server.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"bench sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(_serve(cfg, args.host, args.port))
+    return uvloop.run(_serve(cfg, args.host, args.port))

@@ -1,0 +1,318 @@
+"""The batching model: continuous batching of simulated requests on one engine loop that keeps absolute time."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+from bench.sim.profiles import Profile
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from or at an which not have but "
+    "model token batch server request stream decode draft accept verify cache queue router latency "
+    "value function return result data index list class node graph tree path state error input output"
+).split()
+# a few punctuation tokens so that common stop strings (".", "\n") can match
+_PUNCT = [".", ",", "\n", ":", ";"]
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+_CODE_RE = re.compile(
+    r"```|\bdef |\bclass |\bfunction\b|\bimport |#include|\breturn\b|\bcode\b|\bpython\b|\bjavascript\b"
+    r"|\brust\b|\bSQL\b|\bbug\b|\bcompile|\bregex\b|\bscript\b|[{}]",
+    re.IGNORECASE,
+)
+# Without max_tokens and with ignore_eos a request would run to the context length; stop somewhere sane.
+MAX_GENERATED_TOKENS = 16384
+
+
+class QueueFull(Exception):
+    """The waiting queue holds --max-queued-requests requests already."""
+
+
+def count_tokens(text: str) -> int:
+    """A stand-in tokenizer: words and punctuation marks (about what a BPE tokenizer gives for English)."""
+    return len(_TOKEN_RE.findall(text))
+
+
+def is_coding(text: str) -> bool:
+    return bool(_CODE_RE.search(text))
+
+
+def _accept_rate(mean_len: float, steps: int) -> float:
+    """Per-draft acceptance a with 1 + a + a^2 + ... + a^steps == mean_len (bisection)."""
+    if mean_len <= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(steps + 1)) < mean_len:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One generation: its deterministic output, where it ends, and what the engine has emitted so far."""
+
+    rid: str
+    prompt_text: str
+    prompt_tokens: int
+    tokens: list[str]  # text of each output token up to where it finishes
+    finish_reason: str  # "stop" | "length"
+    matched_stop: int | str | None
+    text: str  # the final output text (stop string excluded)
+    accept_rate: float
+    rng: random.Random
+    stream: bool = False
+    generated: int = 0
+    emitted_chars: int = 0
+    state: str = "new"  # new -> waiting -> running -> finished | aborted
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    last_token_at: float | None = None
+    itl: list[float] = field(default_factory=list)  # wall seconds between consecutive emissions
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "aborted")
+
+
+def build_request(
+    rid: str, prompt_text: str, prompt_tokens: int, *, profile: Profile, seed: int,
+    max_tokens: int | None, stop: list[str], ignore_eos: bool, stream: bool,
+) -> SimRequest:
+    """Decide the whole output of a request up front from (prompt, seed): same inputs, same bytes."""
+    digest = hashlib.sha256(f"{seed}\x00{prompt_text}".encode()).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    natural = rng.randint(*profile.natural_output_tokens)
+    limit = MAX_GENERATED_TOKENS if max_tokens is None else max_tokens
+    limit = max(0, min(limit, profile.context_len - prompt_tokens))
+    eos_first = not ignore_eos and natural <= limit
+    n = natural if eos_first else limit
+    # the last token of an EOS ending is the EOS token itself: counted, not shown
+    n_text = n - 1 if eos_first else n
+    words = rng.choices(_WORDS, k=n_text)
+    punct = rng.random
+    tokens = []
+    for i, w in enumerate(words):
+        tokens.append(_PUNCT[i % len(_PUNCT)] if punct() < 0.06 else (w if i == 0 else " " + w))
+    finish_reason, matched = ("stop", profile.eos_token_id) if eos_first else ("length", None)
+    text = "".join(tokens)
+    hit = _first_stop(text, stop)
+    if hit is not None:
+        pos, s = hit
+        end, cut = 0, len(tokens)
+        for i, t in enumerate(tokens):
+            end += len(t)
+            if end >= pos + len(s):
+                cut = i + 1
+                break
+        tokens = tokens[:cut]
+        text = text[:pos]
+        finish_reason, matched = "stop", s
+    elif eos_first:
+        tokens.append("")  # the EOS token: counted in completion_tokens, never shown
+    kind_len = profile.accept_length_coding if is_coding(prompt_text) else profile.accept_length_general
+    rate = _accept_rate(kind_len, profile.speculative_num_steps) if profile.speculative else 0.0
+    return SimRequest(
+        rid=rid, prompt_text=prompt_text, prompt_tokens=prompt_tokens, tokens=tokens,
+        finish_reason=finish_reason, matched_stop=matched, text=text, accept_rate=rate, rng=rng,
+        stream=stream,
+    )
+
+
+def _first_stop(text: str, stop: list[str]) -> tuple[int, str] | None:
+    best = None
+    for s in stop:
+        pos = text.find(s) if s else -1
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+class Engine:
+    """Continuous batching on one loop: admit, run a step whose length the profile gives, emit, repeat.
+
+    Each step's end is an absolute deadline on the wall clock (sim time / speedup); when the loop is
+    late it runs the next step at once instead of sleeping, so small timer errors do not accumulate.
+    """
+
+    def __init__(self, profile: Profile, *, speedup: float = 1.0, max_running_requests: int | None = None,
+                 max_queued_requests: int | None = None) -> None:
+        self.profile = profile
+        self.speedup = speedup
+        self.max_running = max_running_requests or profile.max_running_requests
+        self.max_queued = max_queued_requests
+        self.waiting: collections.deque[SimRequest] = collections.deque()
+        self.running: list[SimRequest] = []
+        self.requests_total = 0
+        self.completed_total = 0
+        self.aborted_total = 0
+        self.generation_tokens_total = 0
+        self.verify_calls_total = 0
+        self.steps_total = 0
+        self._accept_sum = 0  # tokens gained by decoding requests in speculative steps
+        self._accept_n = 0  # request-steps in speculative steps
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (wall, tokens) per step
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.on_finish = None  # callback(req) when a request finishes or is aborted
+
+    # -- state read by the server --------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.waiting)
+
+    def used_tokens(self) -> int:
+        return sum(r.prompt_tokens + r.generated for r in self.running)
+
+    def token_usage(self) -> float:
+        return min(1.0, self.used_tokens() / self.profile.max_total_num_tokens)
+
+    def gen_throughput(self, window: float = 5.0) -> float:
+        """Generated tokens per simulated second over the last `window` simulated seconds."""
+        now = time.monotonic()
+        horizon = now - window / self.speedup
+        tokens = sum(t for w, t in self._recent if w >= horizon)
+        return tokens / window if tokens else 0.0
+
+    def avg_accept_length(self) -> float:
+        if not self.profile.speculative:
+            return 1.0
+        if not self._accept_n:
+            return self.profile.accept_length_general
+        return self._accept_sum / self._accept_n
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for req in list(self.running) + list(self.waiting):
+            self.abort(req)
+
+    def submit(self, req: SimRequest) -> None:
+        if self.max_queued is not None and len(self.waiting) >= self.max_queued:
+            raise QueueFull("The request queue is full.")
+        req.state = "waiting"
+        req.arrival = time.monotonic()
+        self.requests_total += 1
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> bool:
+        """Free the request's slot at once; True if it was still queued or running."""
+        if req.done or req.state == "new":
+            return False
+        if req.state == "waiting":
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        req.state = "aborted"
+        req.finished_at = time.monotonic()
+        self.aborted_total += 1
+        if self.on_finish is not None:
+            self.on_finish(req)
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        deadline = time.monotonic()
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = time.monotonic()  # idle: the next step starts now, not in the past
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_running:
+                admitted.append(self.waiting.popleft())
+            decoding = list(self.running)
+            for req in admitted:
+                req.state = "running"
+                self.running.append(req)
+            step = self.profile.step_ms(len(decoding)) if decoding else 0.0
+            step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))
+            deadline += step / 1000.0 / self.speedup
+            delay = deadline - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)  # late: catch up, but let handlers run
+            self._emit(admitted, decoding)
+
+    def _emit(self, admitted: list[SimRequest], decoding: list[SimRequest]) -> None:
+        now = time.monotonic()
+        self.steps_total += 1
+        spec = self.profile.speculative
+        if spec and decoding:
+            self.verify_calls_total += 1
+        gained_total = 0
+        for req in admitted:
+            if req.state == "running":  # not aborted while its prefill ran
+                gained_total += self._advance(req, 1, now)
+        steps = self.profile.speculative_num_steps
+        for req in decoding:
+            if req.state != "running":
+                continue
+            k = 1
+            if spec:
+                while k <= steps and req.rng.random() < req.accept_rate:
+                    k += 1
+                self._accept_sum += k
+                self._accept_n += 1
+            gained_total += self._advance(req, k, now)
+        self.generation_tokens_total += gained_total
+        self._recent.append((now, gained_total))
+        horizon = now - 30.0 / self.speedup
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+
+    def _advance(self, req: SimRequest, k: int, now: float) -> int:
+        k = min(k, req.completion_tokens - req.generated)
+        if req.completion_tokens == 0:
+            k = 0
+        start = req.generated
+        req.generated += k
+        piece = "".join(req.tokens[start:req.generated])
+        # never show text past a matched stop string
+        room = len(req.text) - req.emitted_chars
+        piece = piece[:max(room, 0)]
+        req.emitted_chars += len(piece)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        elif req.last_token_at is not None:
+            req.itl.append(now - req.last_token_at)
+        req.last_token_at = now
+        finished = req.generated >= req.completion_tokens
+        if finished:
+            req.state = "finished"
+            req.finished_at = now
+            self.running.remove(req)
+            self.completed_total += 1
+            if self.on_finish is not None:
+                self.on_finish(req)
+        req.outbox.put_nowait((piece, finished))
+        return k

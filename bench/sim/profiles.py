@@ -1,0 +1,107 @@
+"""Simulator profiles: the engine-model parameters of one SGLang deployment, and loading them from JSON."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+# SGLang silently caps an EAGLE server at 48 running requests unless --max-running-requests is set.
+EAGLE_DEFAULT_MAX_RUNNING = 48
+
+
+class ProfileError(ValueError):
+    """A profile name or file that cannot be used; the message is one line for the CLI."""
+
+
+class Profile(BaseModel):
+    """Parameters of the batching model; every time is in milliseconds of simulated (GPU) time."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    speculative: bool = False
+    # decode step of a running batch of n requests: a + b*n + q*n^2 (ms)
+    decode_a_ms: float = Field(gt=0)
+    decode_b_ms: float = Field(ge=0)
+    decode_q_ms: float = Field(default=0.0, ge=0)
+    # prefill added to the step that admits new requests: p0 + p1 * new prompt tokens (ms)
+    prefill_base_ms: float = Field(default=0.0, ge=0)
+    prefill_ms_per_token: float = Field(default=0.0, ge=0)
+    max_running_requests: int = Field(default=1024, ge=1)
+    # speculative decoding: mean accepted tokens per step (incl. the bonus token) by prompt kind
+    accept_length_general: float = Field(default=1.0, ge=1.0)
+    accept_length_coding: float = Field(default=1.0, ge=1.0)
+    speculative_num_steps: int = Field(default=2, ge=1)
+    speculative_eagle_topk: int = 4
+    speculative_num_draft_tokens: int = 16
+    # what the server reports about itself
+    model_path: str = "moonshotai/Kimi-K2.5"
+    tp_size: int = 8
+    context_len: int = 262144
+    max_total_num_tokens: int = 1_000_000
+    eos_token_id: int = 163586
+    # output length a prompt "naturally" stops at (EOS) unless max_tokens or ignore_eos cut it
+    natural_output_tokens: tuple[int, int] = (600, 1600)
+    fitted_from: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        if self.speculative:
+            cap = self.speculative_num_steps + 1
+            for kind in ("general", "coding"):
+                value = getattr(self, f"accept_length_{kind}")
+                if value > cap:
+                    raise ValueError(f"accept_length_{kind}={value} exceeds num_steps+1={cap}")
+        lo, hi = self.natural_output_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError("natural_output_tokens must be [lo, hi] with 1 <= lo <= hi")
+        return self
+
+    @property
+    def max_accept(self) -> int:
+        """Most tokens one request can gain in one step (drafted tokens plus the bonus token)."""
+        return self.speculative_num_steps + 1 if self.speculative else 1
+
+    def step_ms(self, n: int) -> float:
+        """Duration of one decode step with n running requests."""
+        return self.decode_a_ms + self.decode_b_ms * n + self.decode_q_ms * n * n
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        return self.prefill_base_ms + self.prefill_ms_per_token * new_tokens if new_tokens else 0.0
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile_file(path: str | Path) -> Profile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cannot read profile file {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile file {path} must hold a JSON object")
+    data.setdefault("name", path.stem)
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "profile"
+        raise ProfileError(f"invalid profile {path}: {where}: {first['msg']}") from None
+
+
+def load_profile(name: str) -> Profile:
+    """A built-in profile by name (see bench/sim/profiles/*.json)."""
+    path = PROFILE_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ProfileError(f"unknown profile {name!r}; choose from {', '.join(builtin_names())}")
+    return load_profile_file(path)
