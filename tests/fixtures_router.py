@@ -1,1 +1,83 @@
 """Factory fixtures that start routers on 127.0.0.1, port 0 (owned by the router work)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router.app import build_app, start
+from router.settings import Settings, load_settings
+from router.state import STATE, RouterState
+
+__all__ = ["RouterHandle", "poll", "router_factory"]
+
+# Fast health probing so tests see state changes within a fraction of a second.
+TEST_DEFAULTS = {"health_interval": 0.2, "health_timeout": 1.0, "health_failure_threshold": 2,
+                 "health_success_threshold": 1, "drain_timeout": 2.0}
+
+
+async def poll(cond, within: float = 5.0, result=None, every: float = 0.02):
+    """Re-check `cond()` until true or `within` seconds passed; returns result() (or the last cond())."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not cond() and loop.time() < deadline:  # noqa: ASYNC110 - the state lives in another task
+        await asyncio.sleep(every)
+    return result() if result is not None else cond()
+
+
+@dataclass
+class RouterHandle:
+    url: str
+    app: web.Application
+    settings: Settings
+    registry: CollectorRegistry
+    runner: web.AppRunner
+
+    @property
+    def state(self) -> RouterState:
+        return self.app[STATE]
+
+    def inflight(self) -> dict[str, int]:
+        return {b.url: b.inflight for b in self.state.pools.backends}
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    async def wait_idle(self, within: float = 5.0) -> dict[str, int]:
+        """Wait until every in-flight count is 0 (bounded); returns the last counts seen."""
+        return await poll(lambda: not any(self.inflight().values()), within, self.inflight)
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def router_factory():
+    """`await router_factory(speculative=[url], baseline=[url], wait_ready=True, **settings) -> RouterHandle`."""
+    handles: list[RouterHandle] = []
+
+    async def make(speculative=(), baseline=(), *, wait_ready: bool = True, **settings) -> RouterHandle:
+        values = {**TEST_DEFAULTS, "host": "127.0.0.1", "port": 0, **settings}
+        values["speculative"] = ",".join(speculative)
+        values["baseline"] = ",".join(baseline)
+        s = load_settings(None, values, environ={})
+        registry = CollectorRegistry()
+        app = build_app(s, registry)
+        runner, url = await start(app, s.host, s.port)
+        handle = RouterHandle(url=url, app=app, settings=s, registry=registry, runner=runner)
+        handles.append(handle)
+        if wait_ready:
+            # One full probe round: backends that are up are routable from here on.
+            async with asyncio.timeout(5):
+                await app[STATE].health.first_round.wait()
+        return handle
+
+    yield make
+    for h in reversed(handles):
+        await h.close()

@@ -1,0 +1,122 @@
+"""CLI: `python -m router serve ...`: parse flags, load Settings, install uvloop, serve until SIGTERM, drain."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import typing
+from typing import NoReturn
+
+from router.settings import ConfigError, Settings, load_settings
+
+PROG = "python -m router"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, exit 2: bad flags are the user's to fix, not a traceback to read.
+        self.exit(2, f"router: error: {message} (see {PROG} serve --help)\n")
+
+
+def _is_list(name: str) -> bool:
+    return typing.get_origin(Settings.model_fields[name].annotation) is list
+
+
+def _metavar(annotation: object) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(typing.get_args(annotation)) + "}"
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    kind = args[0]
+    if typing.get_origin(kind) is typing.Literal:
+        return "{" + ",".join(typing.get_args(kind)) + "}"
+    return {int: "N", float: "SECONDS", str: "TEXT"}.get(kind, "KEY")  # type: ignore[call-overload]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Load-aware OpenAI-compatible router for speculative and baseline "
+                     "SGLang pools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    serve = sub.add_parser(
+        "serve", help="run the router",
+        description="Run the router. Settings come from --config YAML, then ROUTER_<NAME> env vars, then these "
+                    "flags (each flag is also a YAML key and an env var).",
+)
+    serve.add_argument("--config", metavar="FILE", help="YAML file of settings (also ROUTER_CONFIG)")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        meta = _metavar(field.annotation)
+        if _is_list(name):
+            serve.add_argument(flag, dest=name, action="append", metavar="URL",
+                               help=f"{field.description}; repeat or comma-separate")
+        else:
+            default = field.default
+            shown = "unset" if default is None else ("***" if "key" in name else default)
+            serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description} (default: {shown})")
+    serve.set_defaults(**{name: None for name in Settings.model_fields})
+    return parser
+
+
+def parse(argv: list[str]) -> Settings:
+    """Flags to Settings; raises SystemExit(2) with one line on any problem."""
+    args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        build_parser().print_help()
+        raise SystemExit(0 if not argv else 2)
+    overrides = {}
+    for name in Settings.model_fields:
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = ",".join(value) if _is_list(name) else value
+    try:
+        return load_settings(args.config, overrides)
+    except ConfigError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+async def serve(settings: Settings) -> int:
+    from router.app import build_app, start
+
+    app = build_app(settings)
+    try:
+        runner, url = await start(app, settings.host, settings.port)
+    except OSError as exc:
+        print(f"router: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    print(f"listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("router").info("shutting down: draining for up to %.0f s", settings.drain_timeout)
+    # Stops accepting, waits for in-flight requests up to drain_timeout, then cancels the rest.
+    await runner.cleanup()
+    return 0
+
+
+def _loop_factory() -> typing.Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        build_parser().print_help()
+        return 2
+    settings = parse(argv)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

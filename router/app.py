@@ -1,0 +1,106 @@
+"""build_app(settings, registry) -> web.Application: state, routes and lifecycle; plus the runner both CLI and tests use."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router import proxy
+from router.errors import error_middleware
+from router.health import HealthChecker
+from router.metrics import Metrics
+from router.pools import Pools
+from router.settings import Settings
+from router.state import STATE, RouterState
+from router.upstream import make_session
+
+log = logging.getLogger("router")
+
+
+def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> web.Application:
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry)
+    keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
+    pools = Pools(settings.speculative, settings.baseline, policy=settings.policy, threshold=settings.threshold,
+                  hysteresis=settings.hysteresis, metrics=metrics,
+                  keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
+    st = RouterState(settings=settings, pools=pools, metrics=metrics,
+                     api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
+    app = web.Application(middlewares=[error_middleware, proxy.auth_middleware],
+                          client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
+    app[STATE] = st
+    app.router.add_post(proxy.CHAT, proxy.chat_completions)
+    app.router.add_post(proxy.COMPLETIONS, proxy.completions)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/ready", proxy.ready)
+    if settings.metrics_port is None:
+        app.router.add_get("/metrics", proxy.metrics_handler(st))
+    app.cleanup_ctx.append(_upstream_ctx)
+    app.cleanup_ctx.append(_health_ctx)
+    if settings.metrics_port is not None:
+        app.cleanup_ctx.append(_metrics_listener_ctx)
+    return app
+
+
+def _handler_args(settings: Settings) -> dict:
+    return {"max_line_size": settings.max_header_bytes, "max_field_size": settings.max_header_bytes,
+            "max_headers": settings.max_headers}
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    st.session = make_session(st.settings)
+    yield
+    # Runs after the drain: no handler uses the session any more.
+    await st.session.close()
+
+
+async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    assert st.session is not None
+    st.health = HealthChecker(st.pools, st.settings, st.session, st.metrics)
+    st.health.start()
+    yield
+    await st.health.stop()
+
+
+async def _metrics_listener_ctx(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    assert st.settings.metrics_host is not None and st.settings.metrics_port is not None
+    mapp = web.Application(middlewares=[error_middleware])
+    mapp.router.add_get("/metrics", proxy.metrics_handler(st))
+    runner = web.AppRunner(mapp, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, st.settings.metrics_host, st.settings.metrics_port)
+    await site.start()
+    st.metrics_url = _bound_url(runner)
+    log.info("metrics on %s/metrics", st.metrics_url)
+    yield
+    await runner.cleanup()
+
+
+def _bound_url(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Serve `app` on host:port (0 = any free port); returns the runner and the bound URL."""
+    st = app[STATE]
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
+    # request, so SGLang aborts it at once (also before the first token and for non-streaming calls).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=st.settings.drain_timeout)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, backlog=2048)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, _bound_url(runner)

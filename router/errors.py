@@ -1,0 +1,126 @@
+"""The router's error hierarchy and the one middleware that renders every router-made error as OpenAI-style JSON."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+log = logging.getLogger("router")
+
+
+class RouterError(Exception):
+    """An error the router answers itself: status, OpenAI `type` and `code`, and a message."""
+
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+class BadRequest(RouterError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(RouterError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class NotFound(RouterError):
+    status, type, code = 404, "not_found_error", "not_found"
+
+
+class MethodNotAllowed(RouterError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class PayloadTooLarge(RouterError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class NoHealthyBackend(RouterError):
+    status, type, code = 503, "service_unavailable", "no_healthy_backend"
+
+
+class UpstreamError(RouterError):
+    """A backend failed at transport level; `kind` is a closed set used as a metric label."""
+
+    status, type, code = 502, "upstream_error", "bad_gateway"
+    kind = "error"
+    retryable = False
+
+    def __init__(self, message: str, *, backend: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+
+
+class UpstreamConnectError(UpstreamError):
+    code, kind, retryable = "backend_unreachable", "connect", True
+
+
+class UpstreamDisconnected(UpstreamError):
+    code, kind = "backend_disconnected", "disconnect"
+
+
+class UpstreamTimeout(UpstreamError):
+    status, type, code = 504, "timeout_error", "upstream_timeout"
+
+    def __init__(self, message: str, *, backend: str, kind: str) -> None:
+        super().__init__(message, backend=backend)
+        self.kind = kind  # connect_timeout | first_byte_timeout | idle_timeout
+
+
+def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=err.status, text=json.dumps(err.body()), content_type="application/json",
+                        headers=headers)
+
+
+def sse_error_event(err: RouterError) -> bytes:
+    """What a client sees when a stream that has started fails: an error event, then [DONE]."""
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+_HTTP_MAP: dict[int, type[RouterError]] = {
+    400: BadRequest, 404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge,
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RouterError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        cls = _HTTP_MAP.get(exc.status)
+        if cls is None:
+            err: RouterError = RouterError(exc.reason)
+            err.status, err.type, err.code = exc.status, "invalid_request_error", exc.reason.lower().replace(" ", "_")
+        elif cls is NotFound:
+            err = NotFound(f"no route for {request.path_qs[:200]!r}; the router serves only /v1/chat/completions, "
+                           "/v1/completions, /v1/models, /health, /ready and /metrics")
+        elif cls is MethodNotAllowed:
+            err = MethodNotAllowed(f"method {request.method} not allowed on {request.path[:200]}")
+        elif cls is PayloadTooLarge:
+            err = PayloadTooLarge("request body is larger than the configured limit")
+        else:
+            err = cls(exc.text or exc.reason)
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(err, headers)
+    except ConnectionError:
+        raise
+    except Exception:
+        log.exception("unhandled error for %s %s", request.method, request.path[:200])
+        return error_response(RouterError("internal router error"))

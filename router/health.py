@@ -1,0 +1,70 @@
+"""Active /health probes of every backend, with failure and success thresholds."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from router.metrics import Metrics
+from router.pools import Backend, Pools
+from router.settings import Settings
+
+log = logging.getLogger("router.health")
+
+
+class HealthChecker:
+    """Probes all backends every interval; `first_round` is set once every backend has been probed once."""
+
+    def __init__(self, pools: Pools, settings: Settings, session: aiohttp.ClientSession, metrics: Metrics) -> None:
+        self.pools = pools
+        self.settings = settings
+        self.session = session
+        self.metrics = metrics
+        self.first_round = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def probe(self, b: Backend) -> None:
+        s = self.settings
+        headers = {"Authorization": f"Bearer {b.api_key}"} if b.api_key else None
+        was = b.healthy
+        try:
+            async with asyncio.timeout(s.health_timeout):
+                async with self.session.get(b.url + "/health", headers=headers) as resp:
+                    await resp.read()
+                    ok = resp.status == 200
+        except aiohttp.ClientConnectorError:
+            b.refused()
+            self.metrics.health_probes.labels(b.url, "refused").inc()
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            b.probe_failed(s.health_failure_threshold)
+            self.metrics.health_probes.labels(b.url, "failed").inc()
+        else:
+            if ok:
+                b.probe_ok(s.health_success_threshold)
+            else:
+                b.probe_failed(s.health_failure_threshold)
+            self.metrics.health_probes.labels(b.url, "ok" if ok else "failed").inc()
+        if b.healthy != was:
+            log.warning("backend %s (%s) is now %s", b.url, b.pool, "up" if b.healthy else "down")
+
+    async def run_round(self) -> None:
+        await asyncio.gather(*(self.probe(b) for b in self.pools.backends))
+
+    async def _loop(self) -> None:
+        while True:
+            await self.run_round()
+            self.first_round.set()
+            await asyncio.sleep(self.settings.health_interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

@@ -1,0 +1,42 @@
+"""Every router_* metric and its labels, declared on a registry passed in; label values come from config only."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latency buckets span a fast proxy hop to a long generation.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    """The router's metrics. Pools, backends (configured URLs), reasons and kinds are closed sets."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.inflight = Gauge("router_inflight_requests", "Requests in flight per backend (held leases)",
+                              ["pool", "backend"], registry=registry)
+        self.requests = Counter("router_requests_total", "Requests answered, by HTTP status sent to the client",
+                                ["pool", "backend", "code"], registry=registry)
+        self.decisions = Counter("router_route_decisions_total", "Routing decisions by pool and reason",
+                                 ["pool", "reason"], registry=registry)
+        self.duration = Histogram("router_request_duration_seconds", "Request duration as seen by the router",
+                                  ["pool"], buckets=_LATENCY, registry=registry)
+        self.ttft = Histogram("router_time_to_first_token_seconds", "Time to the first streamed chunk",
+                              ["pool"], buckets=_LATENCY, registry=registry)
+        self.itl = Histogram("router_inter_token_latency_seconds", "Gap between streamed chunks",
+                             ["pool"], buckets=_ITL, registry=registry)
+        self.prompt_tokens = Counter("router_prompt_tokens_total", "Prompt tokens reported by backends",
+                                     ["pool"], registry=registry)
+        self.completion_tokens = Counter("router_completion_tokens_total", "Completion tokens reported by backends",
+                                         ["pool"], registry=registry)
+        self.backend_up = Gauge("router_backend_up", "1 when the backend is healthy and routable",
+                                ["pool", "backend"], registry=registry)
+        self.threshold = Gauge("router_threshold", "Configured routing threshold", registry=registry)
+        self.upstream_errors = Counter("router_upstream_errors_total", "Transport failures talking to a backend",
+                                       ["backend", "kind"], registry=registry)
+        self.disconnects = Counter("router_client_disconnects_total", "Clients that went away before the end",
+                                   ["pool"], registry=registry)
+        self.retries = Counter("router_retries_total", "Requests retried on another backend before the first byte",
+                               ["pool"], registry=registry)
+        self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
+                                     ["backend", "result"], registry=registry)

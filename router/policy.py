@@ -1,0 +1,143 @@
+"""Pure routing decisions: a load snapshot plus settings in, a chosen backend and a reason out; no I/O."""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SPECULATIVE = "speculative"
+BASELINE = "baseline"
+POOLS: tuple[str, str] = (SPECULATIVE, BASELINE)
+
+# Reasons are a closed set: they become metric label values.
+BELOW = "below_threshold"
+ABOVE = "above_threshold"
+FAILOVER = "failover"
+PINNED = "pinned"
+LEAST = "least_inflight"
+ROUND_ROBIN = "round_robin"
+RETRY = "retry"
+REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendLoad:
+    """One backend as the policy sees it at decision time."""
+
+    url: str
+    pool: str
+    inflight: int
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """What a policy remembers between decisions: the global policy's mode and the round-robin cursor."""
+
+    speculating: bool = True
+    cursor: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    url: str
+    pool: str
+    reason: str
+    state: PolicyState
+
+
+def other(pool: str) -> str:
+    return BASELINE if pool == SPECULATIVE else SPECULATIVE
+
+
+def _healthy(loads: Sequence[BackendLoad], pool: str | None = None) -> list[BackendLoad]:
+    return [b for b in loads if b.healthy and (pool is None or b.pool == pool)]
+
+
+def _least(cands: Sequence[BackendLoad], rng: random.Random) -> BackendLoad:
+    low = min(b.inflight for b in cands)
+    # Random among equals: a fixed tie-break would pile every idle moment onto the first backend.
+    return rng.choice([b for b in cands if b.inflight == low])
+
+
+def _in_pool(loads: Sequence[BackendLoad], pool: str, reason: str, state: PolicyState,
+             rng: random.Random) -> Decision | None:
+    """Least in-flight within `pool`; if it has no healthy backend, the other pool serves (failover)."""
+    cands = _healthy(loads, pool)
+    if cands:
+        b = _least(cands, rng)
+        return Decision(b.url, pool, reason, state)
+    cands = _healthy(loads, other(pool))
+    if cands:
+        b = _least(cands, rng)
+        return Decision(b.url, b.pool, FAILOVER, state)
+    return None
+
+
+def spillover(loads: Sequence[BackendLoad], threshold: int, state: PolicyState,
+              rng: random.Random) -> Decision | None:
+    spec = _healthy(loads, SPECULATIVE)
+    # Below threshold per healthy instance: sum < threshold * n, so no instance ever exceeds it.
+    if spec and sum(b.inflight for b in spec) < threshold * len(spec):
+        return _in_pool(loads, SPECULATIVE, BELOW, state, rng)
+    return _in_pool(loads, BASELINE, ABOVE, state, rng)
+
+
+def global_threshold(loads: Sequence[BackendLoad], threshold: int, hysteresis: int, state: PolicyState,
+                     rng: random.Random) -> Decision | None:
+    total = sum(b.inflight for b in loads)
+    if state.speculating:
+        speculating = total < threshold
+    else:
+        # Hysteresis: once above, come back only when clearly below, so the mode does not flap.
+        speculating = total < threshold - hysteresis
+    new = PolicyState(speculating=speculating, cursor=state.cursor)
+    if speculating:
+        return _in_pool(loads, SPECULATIVE, BELOW, new, rng)
+    return _in_pool(loads, BASELINE, ABOVE, new, rng)
+
+
+def least_inflight(loads: Sequence[BackendLoad], state: PolicyState, rng: random.Random) -> Decision | None:
+    cands = _healthy(loads)
+    if not cands:
+        return None
+    b = _least(cands, rng)
+    return Decision(b.url, b.pool, LEAST, state)
+
+
+def round_robin(loads: Sequence[BackendLoad], state: PolicyState) -> Decision | None:
+    cands = _healthy(loads)
+    if not cands:
+        return None
+    b = cands[state.cursor % len(cands)]
+    return Decision(b.url, b.pool, ROUND_ROBIN, PolicyState(state.speculating, state.cursor + 1))
+
+
+def decide(loads: Sequence[BackendLoad], *, policy: str, threshold: int, hysteresis: int = 0,
+           state: PolicyState = PolicyState(), pinned: str | None = None,
+           rng: random.Random | None = None) -> Decision | None:
+    """Choose a backend for a new request; None when no backend at all is healthy."""
+    rng = rng or random.Random()
+    if pinned is not None:
+        return _in_pool(loads, pinned, PINNED, state, rng)
+    if policy == "spillover":
+        return spillover(loads, threshold, state, rng)
+    if policy == "global":
+        return global_threshold(loads, threshold, hysteresis, state, rng)
+    if policy == "least-inflight":
+        return least_inflight(loads, state, rng)
+    if policy == "round-robin":
+        return round_robin(loads, state)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def retry_target(loads: Sequence[BackendLoad], failed_url: str, failed_pool: str,
+                 rng: random.Random | None = None) -> BackendLoad | None:
+    """Another backend for a retry: the same pool if it has another healthy one, else the other pool."""
+    rng = rng or random.Random()
+    rest = [b for b in loads if b.url != failed_url]
+    for pool in (failed_pool, other(failed_pool)):
+        cands = _healthy(rest, pool)
+        if cands:
+            return _least(cands, rng)
+    return None

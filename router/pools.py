@@ -1,0 +1,131 @@
+"""Backends, their pools and health state, and the lease that is the only way to change an in-flight count."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from router.metrics import Metrics
+from router.policy import POOLS, BackendLoad, Decision, PolicyState, decide, retry_target
+
+
+class Backend:
+    """One SGLang instance. Its in-flight count changes only through Lease objects."""
+
+    __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight")
+
+    def __init__(self, url: str, pool: str, api_key: str | None = None) -> None:
+        self.url = url
+        self.pool = pool
+        self.api_key = api_key
+        # Not routable until a probe says so: a loading SGLang answers 503 for minutes.
+        self.healthy = False
+        self.ever_probed = False
+        self.fails = 0
+        self.successes = 0
+        self._inflight = 0
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def lease(self) -> Lease:
+        self._inflight += 1
+        return Lease(self)
+
+    def _release(self) -> None:
+        # Clamp: a count below zero would make this backend look idle for ever.
+        self._inflight = max(0, self._inflight - 1)
+
+    def load(self) -> BackendLoad:
+        return BackendLoad(self.url, self.pool, self._inflight, self.healthy)
+
+    # Health transitions; the thresholds keep one slow probe on a busy backend from ejecting it.
+    def probe_ok(self, success_threshold: int) -> None:
+        self.fails = 0
+        self.successes += 1
+        if not self.ever_probed or self.successes >= success_threshold:
+            self.healthy = True
+        self.ever_probed = True
+
+    def probe_failed(self, failure_threshold: int) -> None:
+        self.successes = 0
+        self.fails += 1
+        if not self.ever_probed or self.fails >= failure_threshold:
+            self.healthy = False
+        self.ever_probed = True
+
+    def refused(self) -> None:
+        """A refused connection is unambiguous: down at once, until probes bring it back."""
+        self.successes = 0
+        self.healthy = False
+        self.ever_probed = True
+
+    def __repr__(self) -> str:
+        return f"Backend({self.url!r}, {self.pool}, inflight={self._inflight}, healthy={self.healthy})"
+
+
+class Lease:
+    """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
+
+    __slots__ = ("backend", "_released")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.backend._release()
+
+
+class Pools:
+    """All backends of both pools plus the policy's remembered state; decisions and leases happen together."""
+
+    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str, threshold: int,
+                 hysteresis: int = 0, keys: dict[str, str | None] | None = None,
+                 metrics: Metrics | None = None, rng: random.Random | None = None) -> None:
+        keys = keys or {}
+        self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative")) for u in speculative]
+        self.backends += [Backend(u, "baseline", keys.get("baseline")) for u in baseline]
+        self.by_url = {b.url: b for b in self.backends}
+        self.policy = policy
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.state = PolicyState()
+        self.rng = rng or random.Random()
+        if metrics is not None:
+            self._bind_metrics(metrics)
+
+    def _bind_metrics(self, metrics: Metrics) -> None:
+        # Gauges read the live values at scrape time, so they can never drift from the counts.
+        for b in self.backends:
+            metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
+            metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.healthy else 0.0)
+        metrics.threshold.set(self.threshold)
+        for pool in POOLS:
+            metrics.duration.labels(pool)
+            metrics.disconnects.labels(pool)
+
+    def loads(self) -> list[BackendLoad]:
+        return [b.load() for b in self.backends]
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    def acquire(self, pinned: str | None = None) -> tuple[Lease, Decision] | None:
+        """Decide and take the lease with no await in between, so concurrent requests see exact counts."""
+        d = decide(self.loads(), policy=self.policy, threshold=self.threshold, hysteresis=self.hysteresis,
+                   state=self.state, pinned=pinned, rng=self.rng)
+        if d is None:
+            return None
+        self.state = d.state
+        return self.by_url[d.url].lease(), d
+
+    def acquire_retry(self, failed: Backend) -> Lease | None:
+        target = retry_target(self.loads(), failed.url, failed.pool, self.rng)
+        return None if target is None else self.by_url[target.url].lease()

@@ -1,0 +1,393 @@
+"""Request handlers: read the body once, decide, lease, forward upstream, stream the bytes back."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.errors import (
+    BadRequest,
+    NoHealthyBackend,
+    PayloadTooLarge,
+    RouterError,
+    Unauthorized,
+    UpstreamConnectError,
+    UpstreamError,
+    error_response,
+    sse_error_event,
+)
+from router.policy import POOLS, RETRY
+from router.pools import Lease
+from router.state import STATE, RouterState
+from router.upstream import FIRST_BYTE, IDLE, map_error
+
+log = logging.getLogger("router.proxy")
+
+POOL_HEADER = "X-Router-Pool"
+BACKEND_HEADER = "X-Router-Backend"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+RETRY_STATUSES = frozenset((502, 503))
+# Status label for a client that left before the answer ended (nginx's convention).
+CLIENT_CLOSED = "499"
+
+
+# ---------------------------------------------------------------- request side
+
+@web.middleware
+async def auth_middleware(request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    st = request.app[STATE]
+    if st.api_key is not None and request.path.startswith("/v1/") and request.match_info.http_exception is None:
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        # compare_digest: the time taken does not depend on how much of the key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key):
+            raise Unauthorized("missing or invalid API key; send Authorization: Bearer KEY")
+    return await handler(request)
+
+
+async def read_json_body(request: web.Request, limit: int) -> tuple[bytes, dict]:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+    if not body:
+        raise BadRequest("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return body, obj
+
+
+def with_usage(body: bytes, obj: dict) -> bytes:
+    """Ask the backend for the usage chunk, changing the client's bytes as little as possible."""
+    if "stream_options" not in obj:
+        # Insert right after the opening brace: every byte the client sent stays as sent.
+        i = body.index(b"{") + 1
+        return body[:i] + b'"stream_options":{"include_usage":true},' + body[i:]
+    opts = obj["stream_options"] if isinstance(obj["stream_options"], dict) else {}
+    return json.dumps({**obj, "stream_options": {**opts, "include_usage": True}}, ensure_ascii=False).encode()
+
+
+def pinned_pool(request: web.Request) -> str | None:
+    value = request.headers.get(POOL_HEADER)
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value not in POOLS:
+        raise BadRequest(f"{POOL_HEADER} must be one of {', '.join(POOLS)}", code="invalid_pool")
+    return value
+
+
+def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
+    # An allowlist: the client's Authorization and anything else it sent stay here.
+    headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
+               "Accept": request.headers.get("Accept", "*/*")}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+# ---------------------------------------------------------------- response side
+
+def split_events(buf: bytes) -> tuple[bytes, bytes]:
+    """Complete SSE events and the unfinished tail."""
+    end = buf.rfind(b"\n\n")
+    if end >= 0:
+        return buf[:end + 2], buf[end + 2:]
+    end = buf.rfind(b"\r\n\r\n")
+    if end >= 0:
+        return buf[:end + 4], buf[end + 4:]
+    return b"", buf
+
+
+@dataclass
+class Usage:
+    prompt: int = 0
+    completion: int = 0
+    seen: bool = False
+
+    def take(self, obj: object) -> None:
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(usage, dict):
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            self.prompt = p if isinstance(p, int) else self.prompt
+            self.completion = c if isinstance(c, int) else self.completion
+            self.seen = True
+
+
+def scan_usage(events: bytes, usage: Usage, strip: bool) -> bytes:
+    """Record usage from the usage chunk; drop that chunk when the client did not ask for it."""
+    if b'"prompt_tokens"' not in events:  # the cheap check: most chunks never get parsed
+        return events
+    sep = b"\r\n\r\n" if b"\r\n\r\n" in events else b"\n\n"
+    kept = []
+    for ev in events.split(sep):
+        if b'"prompt_tokens"' in ev and ev.startswith(b"data:"):
+            try:
+                obj = json.loads(ev[5:])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                usage.take(obj)
+                if strip and not obj.get("choices"):
+                    continue
+        kept.append(ev)
+    return sep.join(kept)
+
+
+class Exchange:
+    """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
+
+    def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
+        self.st = st
+        self.request = request
+        self.lease = lease
+        self.code = CLIENT_CLOSED
+        self.t0 = time.monotonic()
+        self.usage = Usage()
+        self.upstream: aiohttp.ClientResponse | None = None
+
+    @property
+    def pool(self) -> str:
+        return self.lease.backend.pool
+
+    def headers(self) -> dict[str, str]:
+        return {POOL_HEADER: self.lease.backend.pool, BACKEND_HEADER: self.lease.backend.url}
+
+    def upstream_failed(self, err: UpstreamError) -> None:
+        self.st.metrics.upstream_errors.labels(self.lease.backend.url, err.kind).inc()
+        if isinstance(err, UpstreamConnectError):
+            self.lease.backend.refused()
+
+    async def open(self, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send the request and wait for response headers; retry elsewhere only before any byte came back."""
+        assert self.st.session is not None
+        attempts = 0
+        while True:
+            b = self.lease.backend
+            try:
+                resp = await self.st.session.post(b.url + path, data=body,
+                                                  headers=upstream_headers(self.request, b.api_key))
+            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                err = map_error(exc, b.url, FIRST_BYTE, got_headers=False)
+                self.upstream_failed(err)
+                if not err.retryable or attempts >= self.st.settings.retries or not self._retry():
+                    raise err from None
+                attempts += 1
+                continue
+            if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry():
+                self.st.metrics.upstream_errors.labels(b.url, f"status_{resp.status}").inc()
+                resp.close()
+                attempts += 1
+                continue
+            self.upstream = resp
+            return resp
+
+    def _retry(self) -> bool:
+        new = self.st.pools.acquire_retry(self.lease.backend)
+        if new is None:
+            return False
+        self.lease.release()
+        self.lease = new
+        self.st.metrics.decisions.labels(new.backend.pool, RETRY).inc()
+        self.st.metrics.retries.labels(new.backend.pool).inc()
+        return True
+
+    async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
+        body = await resp.read()
+        if resp.status == 200 and b'"usage"' in body:
+            try:
+                self.usage.take(json.loads(body))
+            except ValueError:
+                pass
+        out = web.Response(status=resp.status, body=body, headers=self.headers())
+        out.content_type = resp.content_type
+        return out
+
+    async def stream(self, resp: aiohttp.ClientResponse, first: bytes, strip: bool) -> web.StreamResponse:
+        """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out."""
+        m = self.st.metrics
+        idle = self.st.settings.idle_timeout
+        out = web.StreamResponse(status=resp.status, headers=self.headers())
+        out.content_type = resp.content_type
+        out.headers["Cache-Control"] = "no-cache"
+        buf = b""
+        last = None
+        chunk = first
+        try:
+            await out.prepare(self.request)
+            self.code = str(resp.status)
+            while chunk:
+                events, buf = split_events(buf + chunk)
+                if events:
+                    events = scan_usage(events, self.usage, strip)
+                if events:
+                    now = time.monotonic()
+                    if last is None:
+                        m.ttft.labels(self.pool).observe(now - self.t0)
+                    else:
+                        m.itl.labels(self.pool).observe(now - last)
+                    last = now
+                    await out.write(events)
+                try:
+                    async with asyncio.timeout(idle):
+                        chunk = await resp.content.readany()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # Headers went out already: tell the client in-band, then end the stream cleanly.
+                    err = map_error(exc, self.lease.backend.url, IDLE, got_headers=True)
+                    self.upstream_failed(err)
+                    await out.write(sse_error_event(err))
+                    buf = b""
+                    break
+            if buf:
+                await out.write(scan_usage(buf, self.usage, strip))
+            await out.write_eof()
+        except ConnectionError:
+            self.code = CLIENT_CLOSED  # the client went away while we wrote to it
+        except asyncio.CancelledError:
+            self.code = CLIENT_CLOSED
+            raise
+        return out
+
+    def finish(self) -> None:
+        """Runs exactly once, in `finally`: release the lease, close upstream, record the outcome."""
+        self.lease.release()
+        if self.upstream is not None:
+            # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
+            if self.upstream.content.at_eof():
+                self.upstream.release()
+            else:
+                self.upstream.close()
+        m = self.st.metrics
+        b = self.lease.backend
+        m.requests.labels(b.pool, b.url, self.code).inc()
+        m.duration.labels(b.pool).observe(time.monotonic() - self.t0)
+        if self.usage.seen:
+            m.prompt_tokens.labels(b.pool).inc(self.usage.prompt)
+            m.completion_tokens.labels(b.pool).inc(self.usage.completion)
+        if self.code == CLIENT_CLOSED:
+            m.disconnects.labels(b.pool).inc()
+
+
+async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    pinned = pinned_pool(request)
+    body, obj = await read_json_body(request, st.settings.max_body_bytes)
+    stream = obj.get("stream") is True
+    opts = obj.get("stream_options")
+    client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    if stream and not client_wants_usage:
+        body = with_usage(body, obj)
+    got = st.pools.acquire(pinned)
+    if got is None:
+        st.metrics.requests.labels("none", "none", "503").inc()
+        raise NoHealthyBackend("no healthy backend in either pool")
+    lease, decision = got
+    st.metrics.decisions.labels(decision.pool, decision.reason).inc()
+    ex = Exchange(st, request, lease)
+    try:
+        try:
+            async with asyncio.timeout(st.settings.first_byte_timeout):
+                resp = await ex.open(path, body)
+                sse = stream and resp.status == 200 and resp.content_type == "text/event-stream"
+                if sse:
+                    # Wait for the first chunk before answering: until then a failure is a clean 504/502.
+                    first = await resp.content.readany()
+                else:
+                    out = await ex.buffered(resp)
+        except TimeoutError as exc:
+            err = map_error(exc, ex.lease.backend.url, FIRST_BYTE, got_headers=False)
+            ex.upstream_failed(err)
+            raise err from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            err = map_error(exc, ex.lease.backend.url, FIRST_BYTE, got_headers=True)
+            ex.upstream_failed(err)
+            raise err from None
+        if sse:
+            return await ex.stream(resp, first, strip=not client_wants_usage)
+        ex.code = str(out.status)
+        return out
+    except RouterError as err:
+        ex.code = str(err.status)
+        return error_response(err, ex.headers())
+    finally:
+        ex.finish()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, COMPLETIONS)
+
+
+# ---------------------------------------------------------------- router's own endpoints
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.settings.served_model_name:
+        data = [{"id": st.settings.served_model_name, "object": "model", "created": 0, "owned_by": "spec-router"}]
+        return web.json_response({"object": "list", "data": data})
+    assert st.session is not None
+    session = st.session
+    backends = [b for b in st.pools.backends if b.healthy]
+
+    async def fetch(url: str, key: str | None) -> list:
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        try:
+            async with asyncio.timeout(st.settings.health_timeout):
+                async with session.get(url + "/v1/models", headers=headers) as resp:
+                    if resp.status != 200:
+                        return []
+                    got = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError):
+            return []
+        data = got.get("data") if isinstance(got, dict) else None
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []
+
+    lists = await asyncio.gather(*(fetch(b.url, b.api_key) for b in backends))
+    seen: dict[str, dict] = {}
+    for entries in lists:
+        for entry in entries:
+            seen.setdefault(entry["id"], entry)
+    if not seen:
+        raise NoHealthyBackend("no healthy backend answered /v1/models")
+    return web.json_response({"object": "list", "data": list(seen.values())})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    pools = request.app[STATE].pools
+    up = {b.url: b.healthy for b in pools.backends}
+    if not pools.any_healthy():
+        err = NoHealthyBackend("no backend is healthy yet")
+        body = err.body()
+        body["backends"] = up
+        return web.json_response(body, status=503)
+    return web.json_response({"status": "ready", "backends": up})
+
+
+def metrics_handler(st: RouterState) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        out = web.Response(body=generate_latest(st.metrics.registry))
+        out.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return out
+    return handler

@@ -1,0 +1,161 @@
+"""The router's one configuration model: YAML file, then ROUTER_* environment, then CLI flags; the only reader of os.environ."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
+
+PolicyName = Literal["spillover", "global", "least-inflight", "round-robin"]
+POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin")
+ENV_PREFIX = "ROUTER_"
+
+
+class ConfigError(Exception):
+    """A user-caused configuration problem; its message is one line naming the problem."""
+
+
+def _split_urls(value: Any) -> Any:
+    # Env vars and flags give a comma-separated string; YAML gives a list.
+    if value is None:
+        return []
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError("backend list is not valid JSON") from None
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"bad backend URL {url!r} (expected http://HOST:PORT)")
+    try:
+        parts.port  # noqa: B018 - raises on a non-numeric port
+    except ValueError as exc:
+        raise ValueError(f"bad backend URL {url!r}: {exc}") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"bad backend URL {url!r}: no query or fragment allowed")
+    return url.rstrip("/")
+
+
+UrlList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    """Every router setting. Field names are the YAML keys, the ROUTER_<NAME> env vars and the --flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    speculative: UrlList = Field(default_factory=list, description="backend URLs of the speculative (EAGLE-3) pool")
+    baseline: UrlList = Field(default_factory=list, description="backend URLs of the baseline pool")
+    speculative_api_key: SecretStr | None = Field(None, description="key sent as Bearer to speculative backends")
+    baseline_api_key: SecretStr | None = Field(None, description="key sent as Bearer to baseline backends")
+
+    policy: PolicyName = Field("spillover", description="routing policy")
+    threshold: int = Field(32, ge=0, description="spillover: in-flight per speculative instance; global: total in-flight")
+    hysteresis: int = Field(0, ge=0, description="global policy: go back to speculative only below threshold - hysteresis")
+
+    host: str = Field("127.0.0.1", description="listen address")
+    port: int = Field(8000, ge=0, le=65535, description="listen port (0 picks a free one)")
+    metrics_host: str | None = Field(None, description="serve /metrics only on this separate address")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="port for the separate /metrics listener")
+    api_key: SecretStr | None = Field(None, description="clients must send Authorization: Bearer KEY")
+    served_model_name: str | None = Field(None, description="model id /v1/models advertises instead of the backends' list")
+
+    connect_timeout: float = Field(5.0, gt=0, description="seconds to open a backend connection")
+    first_byte_timeout: float = Field(300.0, gt=0, description="seconds until the backend's first body byte")
+    idle_timeout: float = Field(60.0, gt=0, description="longest gap between streamed chunks, seconds")
+    retries: int = Field(1, ge=0, le=3, description="retries on another backend before the first byte")
+
+    health_interval: float = Field(5.0, gt=0, description="seconds between active /health probes")
+    health_timeout: float = Field(5.0, gt=0, description="seconds a probe may take")
+    health_failure_threshold: int = Field(3, ge=1, description="failed probes in a row that mark a backend down")
+    health_success_threshold: int = Field(2, ge=1, description="good probes in a row that mark it up again")
+
+    drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may finish")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest request body accepted (413 above)")
+    max_header_bytes: int = Field(8190, ge=256, description="largest request line / header field")
+    max_headers: int = Field(100, ge=8, description="most request headers accepted")
+    max_connections: int = Field(4096, ge=1, description="open connections to all backends together")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("speculative", "baseline", mode="before")
+    @classmethod
+    def _urls(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("speculative", "baseline")
+    @classmethod
+    def _valid_urls(cls, value: list[str]) -> list[str]:
+        urls = [_check_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a backend URL is listed twice")
+        return urls
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if not self.speculative and not self.baseline:
+            raise ValueError("no backend configured: give --speculative URL and/or --baseline URL")
+        both = set(self.speculative) & set(self.baseline)
+        if both:
+            raise ValueError(f"backend {sorted(both)[0]} is in both pools")
+        if (self.metrics_host is None) != (self.metrics_port is None):
+            raise ValueError("metrics_host and metrics_port go together")
+        return self
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config file {path}{line} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def describe(exc: ValidationError) -> str:
+    """One line naming the first problem of a validation error."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int))
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown setting"
+    return f"{where}: {msg}" if where else msg
+
+
+def load_settings(config_file: str | None = None, overrides: dict[str, Any] | None = None,
+                  environ: dict[str, str] | None = None) -> Settings:
+    """Layer YAML < ROUTER_* env < overrides (flags); raise ConfigError with a one-line message."""
+    env = dict(os.environ if environ is None else environ)
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    data: dict[str, Any] = _read_yaml(path) if path else {}
+    env_values = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"}
+    try:
+        source = EnvSettingsSource(Settings, case_sensitive=False, env_prefix=ENV_PREFIX)
+        source.env_vars = {k.lower(): v for k, v in env_values.items()}
+        data.update(source())
+        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        # Only init values are used: the environment was read above, from `env`, exactly once.
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc)) from None
+    except SettingsError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None

@@ -1,0 +1,26 @@
+"""The router's per-app state, reachable from handlers through one typed web.AppKey."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from router.health import HealthChecker
+from router.metrics import Metrics
+from router.pools import Pools
+from router.settings import Settings
+
+
+@dataclass
+class RouterState:
+    settings: Settings
+    pools: Pools
+    metrics: Metrics
+    session: aiohttp.ClientSession | None = None
+    health: HealthChecker | None = None
+    metrics_url: str | None = None  # set when /metrics listens on its own address
+    api_key: bytes | None = field(default=None, repr=False)
+
+
+STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

@@ -1,0 +1,46 @@
+"""The HTTP client session to backends, and the one place where transport exceptions become router errors."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamTimeout
+from router.settings import Settings
+
+# Phases of an upstream exchange; a timeout's kind names the phase it hit.
+CONNECT, FIRST_BYTE, IDLE = "connect", "first_byte", "idle"
+
+
+def make_session(settings: Settings) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0,
+                                     enable_cleanup_closed=False, ttl_dns_cache=300)
+    # Only connect is bounded here; first-byte and idle deadlines are per request (asyncio.timeout).
+    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
+                                    sock_connect=settings.connect_timeout)
+    # auto_decompress off: bodies pass through as the backend sent them.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 skip_auto_headers=("Accept-Encoding",), raise_for_status=False)
+
+
+def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
+    """Translate a transport exception into the router's hierarchy; the only place that does so."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
+    if isinstance(exc, TimeoutError):
+        what = "first byte" if phase != IDLE else "next chunk"
+        return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(f"cannot connect to backend {backend}: {exc.os_error.strerror or exc}",
+                                    backend=backend)
+    if isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | ConnectionError):
+        err = UpstreamDisconnected(f"backend {backend} closed the connection", backend=backend)
+        # Nothing was received, so nothing reached the client: as safe to retry as a refusal.
+        err.retryable = not got_headers
+        return err
+    return UpstreamError(f"backend {backend} failed: {type(exc).__name__}", backend=backend)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    return isinstance(exc, aiohttp.ClientError | TimeoutError | ConnectionError) and not isinstance(
+        exc, asyncio.CancelledError)

@@ -1,0 +1,96 @@
+"""Settings layering (YAML < ROUTER_ env < flags) and the CLI's one-line errors with exit code 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.settings import ConfigError, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layers_yaml_then_env_then_flags(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("speculative: [http://127.0.0.1:1]\nbaseline: [http://127.0.0.1:2]\nthreshold: 8\n"
+                   "hysteresis: 1\npolicy: global\n")
+    s = load_settings(str(cfg), {}, environ={})
+    assert (s.threshold, s.hysteresis, s.policy) == (8, 1, "global")
+    s = load_settings(str(cfg), {}, environ={"ROUTER_THRESHOLD": "5", "ROUTER_HYSTERESIS": "3"})
+    assert (s.threshold, s.hysteresis) == (5, 3)
+    s = load_settings(str(cfg), {"threshold": "2"}, environ={"ROUTER_THRESHOLD": "5"})
+    assert (s.threshold, s.hysteresis, s.speculative) == (2, 1, ["http://127.0.0.1:1"])
+
+
+def test_config_path_from_env_and_url_lists(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("baseline: http://b:1, http://b:2/\n")
+    s = load_settings(None, {}, environ={"ROUTER_CONFIG": str(cfg), "ROUTER_SPECULATIVE": '["http://s:1"]'})
+    assert s.baseline == ["http://b:1", "http://b:2"]
+    assert s.speculative == ["http://s:1"]
+
+
+def test_example_config_is_valid():
+    s = load_settings(str(ROOT / "deploy" / "router.example.yaml"), {}, environ={})
+    assert s.speculative and s.baseline
+
+
+@pytest.mark.parametrize(("yaml_text", "env", "flags", "needle"), [
+    ("", {}, {}, "no backend configured"),
+    ("speculative: [ftp://x]", {}, {}, "bad backend URL"),
+    ("speculative: [http://x:1]", {"ROUTER_THRESHOLD": "-1"}, {}, "threshold"),
+    ("speculative: [http://x:1]", {}, {"policy": "fastest"}, "policy"),
+    ("speculative: [http://x:1]\nbogus: 1", {}, {}, "bogus: unknown setting"),
+    ("speculative: [http://x:1", {}, {}, "not valid YAML"),
+    ("- a\n- b", {}, {}, "mapping"),
+    ("speculative: [http://x:1]\nbaseline: [http://x:1]", {}, {}, "both pools"),
+    ("speculative: [http://x:1, http://x:1]", {}, {}, "twice"),
+    ("speculative: [http://x:1]", {}, {"metrics_port": "9"}, "go together"),
+    ("speculative: [http://x:1]", {}, {"connect_timeout": "0"}, "connect_timeout"),
+])
+def test_invalid_settings_name_the_problem(tmp_path, yaml_text, env, flags, needle):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(str(cfg), flags, environ=env)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unreadable_file():
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings("/nonexistent/router.yaml", {}, environ={})
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "router", *args], capture_output=True, text=True, timeout=30,
+                          cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("args", [
+    ("serve",),
+    ("serve", "--speculative", "http://127.0.0.1:1", "--threshold", "-3"),
+    ("serve", "--speculative", "not a url"),
+    ("serve", "--speculative", "http://127.0.0.1:1", "--policy", "nope"),
+    ("serve", "--config", "/nonexistent.yaml"),
+    ("serve", "--no-such-flag"),
+    ("serve", "--speculative", "http://127.0.0.1:1", "--threshold", "many"),
+    ("frobnicate",),
+])
+def test_cli_bad_config_is_one_line_exit_2(args):
+    res = _cli(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("router: error:"), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_help_documents_every_setting():
+    res = _cli("serve", "--help")
+    assert res.returncode == 0
+    from router.settings import Settings
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in res.stdout
+    assert _cli("--help").returncode == 0
