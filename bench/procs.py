@@ -1,0 +1,133 @@
+"""Start `python -m bench sim` / `python -m router serve` as subprocesses on port 0, learn their URL
+from the `listening on` line, and stop them by PID (SIGTERM, then SIGKILL)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+LISTEN_RE = re.compile(r"^listening on (http://\S+)\s*$")
+
+
+class ProcError(Exception):
+    """A child server did not come up; the message says which and why, in one line."""
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    url: str = ""
+    _stderr: deque = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr_tail(self) -> str:
+        return " | ".join(line.strip() for line in self._stderr if line.strip())[-400:]
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM, wait `grace` seconds, then SIGKILL. Only this child's PID is signalled."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        return self.proc.returncode
+
+
+def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = None) -> Proc:
+    """Run `python -m <args>` and wait for its `listening on URL` line."""
+    cmd = [sys.executable, "-m", *args]
+    try:
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+    except OSError as exc:
+        raise ProcError(f"{name}: cannot start {' '.join(cmd)}: {exc}") from None
+    p = Proc(name=name, proc=popen)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read_stdout() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            if not found and (m := LISTEN_RE.match(line.strip())):
+                found.append(m.group(1))
+                ready.set()
+        ready.set()  # EOF: the child exited
+
+    def read_stderr() -> None:
+        assert popen.stderr is not None
+        for line in popen.stderr:
+            p._stderr.append(line)
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    threading.Thread(target=read_stderr, daemon=True).start()
+    ready.wait(wait_s)
+    if found:
+        p.url = found[0]
+        return p
+    rc = popen.poll()
+    if rc is None:
+        p.stop()
+        raise ProcError(f"{name}: no 'listening on' line within {wait_s:g}s ({' '.join(args)})")
+    time.sleep(0.1)  # let the stderr reader catch the last lines
+    raise ProcError(f"{name}: exited with code {rc} before listening ({' '.join(args)}): {p.stderr_tail()}")
+
+
+def start_sim(profile: str, speedup: float, name: str | None = None, extra: list[str] | None = None) -> Proc:
+    return start(name or f"sim {profile}",
+                 ["bench", "sim", "--profile", profile, "--port", "0", "--speedup", f"{speedup:g}",
+                  *(extra or [])])
+
+
+def start_router(speculative: list[str], baseline: list[str], policy: str, threshold: int | None = None,
+                 name: str | None = None, extra: list[str] | None = None) -> Proc:
+    args = ["router", "serve", "--policy", policy, "--port", "0"]
+    for u in speculative:
+        args += ["--speculative", u]
+    for u in baseline:
+        args += ["--baseline", u]
+    if threshold is not None:
+        args += ["--threshold", str(threshold)]
+    return start(name or f"router {policy}", args + list(extra or []))
+
+
+class ProcGroup:
+    """Context manager: everything started through it is stopped on exit, newest first."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def add(self, p: Proc) -> Proc:
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: Proc) -> None:
+        p.stop()
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def __enter__(self) -> ProcGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
