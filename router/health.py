@@ -46,7 +46,8 @@ class HealthChecker:
                 b.probe_failed(s.health_failure_threshold)
             self.metrics.health_probes.labels(b.url, "ok" if ok else "failed").inc()
         if b.healthy != was:
-            log.warning("backend %s (%s) is now %s", b.url, b.pool, "up" if b.healthy else "down")
+            log.log(logging.INFO if b.healthy else logging.WARNING, "backend %s (%s) is now %s", b.url, b.pool,
+                    "up" if b.healthy else "down")
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.pools.backends))

@@ -214,17 +214,18 @@ class Exchange:
                 self.usage.take(json.loads(body))
             except ValueError:
                 pass
-        out = web.Response(status=resp.status, body=body, headers=self.headers())
-        out.content_type = resp.content_type
-        return out
+        headers = self.headers()
+        if "Content-Type" in resp.headers:
+            headers["Content-Type"] = resp.headers["Content-Type"]
+        return web.Response(status=resp.status, body=body, headers=headers)
 
     async def stream(self, resp: aiohttp.ClientResponse, first: bytes, strip: bool) -> web.StreamResponse:
         """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out."""
         m = self.st.metrics
         idle = self.st.settings.idle_timeout
-        out = web.StreamResponse(status=resp.status, headers=self.headers())
-        out.content_type = resp.content_type
-        out.headers["Cache-Control"] = "no-cache"
+        headers = {**self.headers(), "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                   "Cache-Control": "no-cache"}
+        out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""
         last = None
         chunk = first

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -12,7 +13,7 @@ from router.app import build_app, start
 from router.settings import Settings, load_settings
 from router.state import STATE, RouterState
 
-__all__ = ["RouterHandle", "poll", "router_factory"]
+__all__ = ["CHAT_BODY", "RouterHandle", "poll", "router_factory", "set_faults", "sim_stats", "wait_stat"]
 
 # Fast health probing so tests see state changes within a fraction of a second.
 TEST_DEFAULTS = {"health_interval": 0.2, "health_timeout": 1.0, "health_failure_threshold": 2,
@@ -81,3 +82,30 @@ async def router_factory():
     yield make
     for h in reversed(handles):
         await h.close()
+
+
+# ---------------------------------------------------------------- helpers shared by the router tests
+
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "write a haiku about routers"}],
+             "max_tokens": 12}
+
+
+async def sim_stats(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/stats") as r:
+        return await r.json()
+
+
+async def set_faults(url: str, **faults) -> None:
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/faults", json=faults) as r:
+        assert r.status == 200, await r.text()
+
+
+async def wait_stat(url: str, key: str, value: int, within: float = 5.0) -> int:
+    """Poll the simulator's /_sim/stats until stats[key] >= value (bounded); returns the last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        got = (await sim_stats(url))[key]
+        if got >= value or loop.time() > deadline:
+            return got
+        await asyncio.sleep(0.05)
