@@ -104,36 +104,39 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 
 def render_table(results: dict[str, list[dict]], title: str | None = None) -> str:
-    """Concurrency rows, one throughput column per target, ratios of each target to the first,
-    then median TTFT / ITL / E2E per target and failures."""
+    """Load rows, one column per target: output throughput with each target's ratio to the first,
+    then median TTFT / ITL / E2E and failures, each as its own block."""
     names = list(results)
     first = names[0]
+    open_loop = bool(results[first]) and results[first][0].get("request_rate") is not None
     levels = [level_key(f) for f in results[first]]
     rows_by = {n: {level_key(f): f for f in results[n]} for n in names}
-    head = ["conc" if results[first] and results[first][0].get("request_rate") is None else "rate"]
-    head += [f"{n} tok/s" for n in names]
-    head += [f"{n}/{first}" for n in names[1:]]
-    head += [f"{n} {m}" for m in ("TTFT p50 ms", "ITL p50 ms", "E2E p50 s") for n in names]
+    blocks = [("output throughput (tok/s)", "output_throughput", 1, 1.0, True),
+              ("median TTFT (ms)", "median_ttft_ms", 0, 1.0, False),
+              ("median ITL (ms)", "median_itl_ms", 1, 1.0, False),
+              ("median E2E latency (s)", "median_e2e_latency_ms", 2, 0.001, False)]
     if any(f["failed"] for n in names for f in results[n]):
-        head += [f"{n} failed" for n in names]
-    body = []
-    for lv in levels:
-        figs = [rows_by[n].get(lv) for n in names]
-        row = [lv]
-        row += [_fmt(f and f["output_throughput"]) for f in figs]
-        base = figs[0]["output_throughput"] if figs[0] else 0
-        row += [f"{f['output_throughput'] / base:.2f}x" if f and base else "-" for f in figs[1:]]
-        row += [_fmt(f and f["median_ttft_ms"], 0) for f in figs]
-        row += [_fmt(f and f["median_itl_ms"], 1) for f in figs]
-        row += [_fmt(f and f["median_e2e_latency_ms"] / 1000.0, 2) for f in figs]
-        if len(head) > len(row):
-            row += [str(f["failed"]) if f else "-" for f in figs]
-        body.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+        blocks.append(("failed requests", "failed", 0, 1.0, False))
     out = [title] if title else []
-    out += [line(head), line(["-" * w for w in widths])] + [line(r) for r in body]
-    return "\n".join(out)
+    for label, key, digits, scale, ratios in blocks:
+        head = ["rate" if open_loop else "conc"] + names
+        if ratios:
+            head += [f"{n}/{first}" for n in names[1:]]
+        body = []
+        for lv in levels:
+            figs = [rows_by[n].get(lv) for n in names]
+            row = [lv] + [_fmt(f[key] * scale if f and f[key] is not None else None, digits) for f in figs]
+            if ratios:
+                base = figs[0][key] if figs[0] else 0
+                row += [f"{f[key] / base:.2f}x" if f and base else "-" for f in figs[1:]]
+            body.append(row)
+        widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+        out.append(label)
+        out.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+        out.append("  ".join("-" * w for w in widths))
+        out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 def render_markdown(results: dict[str, list[dict]]) -> str:

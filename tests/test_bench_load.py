@@ -212,7 +212,7 @@ async def test_sweep_cli_writes_outputs(fake_factory, tmp_path, capsys):
                          "--speedup", "2"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "a tok/s" in out and "b/a" in out
+    assert "output throughput" in out and "b/a" in out
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert [f["concurrency"] for f in data["results"]["a"]] == [1, 3]
     assert data["results"]["b"][1]["completed"] == 6

@@ -87,7 +87,8 @@ def test_table_csv_json_plot(tmp_path):
     f2 = dict(f1, output_throughput=f1["output_throughput"] * 2)
     results = {"spec": [f1], "base": [f2]}
     table = figures.render_table(results)
-    assert "spec tok/s" in table and "base/spec" in table and "2.00x" in table and "spec failed" in table
+    assert "output throughput (tok/s)" in table and "base/spec" in table and "2.00x" in table
+    assert "failed requests" in table
     md = figures.render_markdown(results)
     assert md.splitlines()[0].startswith("| concurrency | spec tok/s | base tok/s")
     figures.write_csv(tmp_path / "x.csv", results)

@@ -1,0 +1,238 @@
+"""`python -m bench calibrate`: sweep each pool directly, model spillover from the two curves, recommend
+the threshold (in-flight requests per speculative instance, as the router's spillover compares)."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.load import BenchInputError
+from bench.sweep import (
+    ArgError,
+    add_load_args,
+    config_from_args,
+    parser,
+    run_async,
+    run_sweep,
+    write_outputs,
+)
+
+OBJECTIVES = ("throughput", "latency")
+
+
+@dataclass
+class Curve:
+    """One pool's measured figures vs concurrency, interpolated between the measured levels."""
+
+    levels: list[int]
+    tput: list[float]  # output tok/s
+    e2e: list[float]  # median E2E ms
+
+    @classmethod
+    def from_figs(cls, figs: list[dict]) -> Curve:
+        pts = sorted((f["concurrency"], f["output_throughput"], f["median_e2e_latency_ms"])
+                     for f in figs if f.get("completed"))
+        if not pts:
+            raise BenchInputError("no level of this pool completed a request; nothing to calibrate on")
+        return cls([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
+
+    def throughput(self, c: float) -> float:
+        """Linear between measured levels, 0 at 0, flat beyond the last (a saturated server)."""
+        if c <= 0:
+            return 0.0
+        xs, ys = [0, *self.levels], [0.0, *self.tput]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), zip(xs[1:], ys[1:], strict=True),
+                                      strict=False):
+            if c <= x1:
+                return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+        return ys[-1]
+
+    def latency(self, c: float) -> float:
+        """Median E2E ms; beyond the last level requests queue, so latency grows in proportion to c."""
+        if c <= self.levels[0]:
+            return self.e2e[0]
+        for x0, y0, x1, y1 in zip(self.levels, self.e2e, self.levels[1:], self.e2e[1:], strict=False):
+            if c <= x1:
+                return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+        return self.e2e[-1] * c / self.levels[-1]
+
+
+def spillover(spec: Curve, base: Curve, threshold: int, c: int) -> tuple[float, float]:
+    """Expected (tok/s, median E2E ms) at `c` concurrent requests: in a closed loop spillover keeps
+    min(c, threshold) in flight on the speculative server and the rest on the baseline."""
+    cs = min(c, threshold)
+    cb = c - cs
+    tput = spec.throughput(cs) + base.throughput(cb)
+    return tput, _mixed_median(spec, cs, base, cb)
+
+
+def _mixed_median(spec: Curve, cs: float, base: Curve, cb: float) -> float:
+    """Median latency of the completed requests of two groups: each group completes requests at
+    in-flight / latency (Little's law); the median falls in the group holding the middle request."""
+    groups = [(g.latency(n), n / g.latency(n)) for g, n in ((spec, cs), (base, cb)) if n > 0]
+    if len(groups) == 1:
+        return groups[0][0]
+    groups.sort()
+    share = groups[0][1] / (groups[0][1] + groups[1][1])
+    if abs(share - 0.5) < 1e-9:
+        return (groups[0][0] + groups[1][0]) / 2
+    return groups[0][0] if share > 0.5 else groups[1][0]
+
+
+def round_robin(spec: Curve, base: Curve, c: int) -> tuple[float, float]:
+    """Expected figures of alternating requests in a closed loop: both pools complete requests at the
+    same rate, so the slower pool accumulates more of the in-flight requests (bisection on its share)."""
+    lo, hi = 0.0, float(c)
+    for _ in range(60):
+        cs = (lo + hi) / 2
+        if spec.throughput(cs) < base.throughput(c - cs):
+            lo = cs
+        else:
+            hi = cs
+    cs = (lo + hi) / 2
+    return spec.throughput(cs) + base.throughput(c - cs), _mixed_median(spec, cs, base, c - cs)
+
+
+@dataclass
+class Recommendation:
+    threshold: int
+    objective: str
+    scores: dict[int, float]  # threshold -> mean fraction of the best achievable per level
+    best_per_level: dict[int, int]  # level -> the threshold that would be best at that level alone
+    expected: dict[int, dict]  # level -> expected figures of the recommendation and the alternatives
+    notes: list[str]
+
+
+def recommend(spec: Curve, base: Curve, levels: list[int], objective: str = "throughput") -> Recommendation:
+    """The threshold that maximises, averaged over `levels` with each level weighted alike, the
+    fraction of the best achievable combined throughput (or of the lowest median latency)."""
+    candidates = range(0, max(levels) + 1)
+    pred = {t: {c: spillover(spec, base, t, c) for c in levels} for t in candidates}
+    idx = 0 if objective == "throughput" else 1
+    if objective == "throughput":
+        best = {c: max(pred[t][c][0] for t in candidates) for c in levels}
+        frac = {t: {c: (pred[t][c][0] / best[c] if best[c] else 0.0) for c in levels} for t in candidates}
+    else:
+        best = {c: min(pred[t][c][1] for t in candidates) for c in levels}
+        frac = {t: {c: best[c] / pred[t][c][1] for c in levels} for t in candidates}
+    scores = {t: sum(frac[t].values()) / len(levels) for t in candidates}
+    top = max(scores.values())
+    threshold = min(t for t in candidates if scores[t] >= top - 1e-9)  # ties: the smaller threshold
+    best_per_level = {}
+    for c in levels:
+        vals = {t: pred[t][c][idx] for t in candidates}
+        goal = max(vals.values()) if idx == 0 else min(vals.values())
+        best_per_level[c] = min(t for t in candidates if abs(vals[t] - goal) <= 1e-9 * max(1.0, abs(goal)))
+    expected = {}
+    for c in levels:
+        rr = round_robin(spec, base, c)
+        expected[c] = {
+            "spillover": pred[threshold][c][0], "spillover_median_e2e_ms": pred[threshold][c][1],
+            "best_threshold_here": best_per_level[c],
+            "best_here": pred[best_per_level[c]][c][0],
+            "all-baseline": base.throughput(c), "all-baseline_median_e2e_ms": base.latency(c),
+            "all-speculative": spec.throughput(c), "all-speculative_median_e2e_ms": spec.latency(c),
+            "round-robin": rr[0], "round-robin_median_e2e_ms": rr[1],
+        }
+    return Recommendation(threshold, objective, scores, best_per_level, expected, diagnose(spec, base))
+
+
+def diagnose(spec: Curve, base: Curve) -> list[str]:
+    """Plain statements about what speculation buys on this deployment."""
+    c0 = min(spec.levels[0], base.levels[0])
+    s1, b1 = spec.throughput(c0), base.throughput(c0)
+    notes = []
+    if s1 < b1:
+        notes.append(
+            f"WARNING: the speculative server is SLOWER than the baseline even at concurrency {c0} "
+            f"({s1:.1f} vs {b1:.1f} tok/s, {s1 / b1:.2f}x). Speculation buys no latency on this deployment; "
+            "the threshold only decides how the speculative GPUs add capacity next to the baseline.")
+    else:
+        notes.append(f"The speculative server is faster at concurrency {c0} ({s1:.1f} vs {b1:.1f} tok/s, "
+                     f"{s1 / b1:.2f}x): below the threshold requests get lower latency.")
+    shared = [c for c in spec.levels if c in base.levels]
+    cross = next((c for c in shared if spec.throughput(c) < base.throughput(c)), None)
+    if s1 >= b1 and cross is not None:
+        notes.append(f"From concurrency {cross} on the baseline is faster "
+                     f"({spec.throughput(cross):.1f} vs {base.throughput(cross):.1f} tok/s).")
+    return notes
+
+
+def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> str:
+    out = ["measured, each pool alone (output tok/s, median E2E s):"]
+    rows = [["conc", "speculative", "baseline", "spec/base", "spec E2E s", "base E2E s"]]
+    for c in levels:
+        s, b = spec.throughput(c), base.throughput(c)
+        rows.append([str(c), f"{s:.1f}", f"{b:.1f}", f"{s / b:.2f}x" if b else "-",
+                     f"{spec.latency(c) / 1000:.2f}", f"{base.latency(c) / 1000:.2f}"])
+    out += _grid(rows)
+    out += ["", *rec.notes, ""]
+    out.append(f"recommended spillover threshold: {rec.threshold}  (objective: {rec.objective}; in-flight "
+               f"requests per speculative instance: `python -m router serve --policy spillover "
+               f"--threshold {rec.threshold} ...`)")
+    out.append("expected curve (tok/s) next to the alternatives; 'best T here' is the threshold that "
+               "would win at that level alone:")
+    rows = [["conc", f"spillover@{rec.threshold}", "best T here", "(its tok/s)", "all-baseline",
+             "all-speculative", "round-robin", f"spill@{rec.threshold} E2E s"]]
+    for c in levels:
+        e = rec.expected[c]
+        rows.append([str(c), f"{e['spillover']:.1f}", str(e["best_threshold_here"]), f"{e['best_here']:.1f}",
+                     f"{e['all-baseline']:.1f}", f"{e['all-speculative']:.1f}", f"{e['round-robin']:.1f}",
+                     f"{e['spillover_median_e2e_ms'] / 1000:.2f}"])
+    out += _grid(rows)
+    ranked = sorted(rec.scores.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
+    what = "of the best throughput" if rec.objective == "throughput" else "of the lowest median latency"
+    out.append(f"score = mean over levels of the fraction {what} achievable there: "
+               + ", ".join(f"T={t} {s:.3f}" for t, s in ranked)
+               + f"; T=0 (all baseline) {rec.scores[0]:.3f}, T={max(levels)} {rec.scores[max(levels)]:.3f}")
+    return "\n".join(out)
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def rec_json(rec: Recommendation) -> dict:
+    return {"threshold": rec.threshold, "objective": rec.objective, "notes": rec.notes,
+            "best_threshold_per_level": rec.best_per_level, "expected": rec.expected,
+            "scores": {str(t): s for t, s in rec.scores.items()}}
+
+
+def main(argv: list[str]) -> int:
+    p = parser("python -m bench calibrate",
+               "Sweep a speculative and a baseline server directly and recommend the spillover threshold.")
+    p.add_argument("--speculative", required=True, metavar="URL", help="one speculative (EAGLE-3) server")
+    p.add_argument("--baseline", required=True, metavar="URL", help="one baseline server")
+    p.add_argument("--objective", choices=OBJECTIVES, default="throughput",
+                   help="maximise combined throughput (default) or minimise median per-request latency")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default="calibrate")
+    add_load_args(p)
+    try:
+        ns = p.parse_args(argv)
+        targets = []
+        for name, url in (("speculative", ns.speculative), ("baseline", ns.baseline)):
+            if not url.startswith(("http://", "https://")):
+                raise ArgError(f"--{name}: expected http://HOST:PORT, got {url!r}")
+            targets.append((name, url.rstrip("/").removesuffix("/v1")))
+    except ArgError as exc:
+        print(f"bench calibrate: {exc}", file=sys.stderr)
+        return 2
+    cfg = config_from_args(ns, targets)
+    try:
+        results = run_async(run_sweep(cfg))
+        spec, base = Curve.from_figs(results["speculative"]), Curve.from_figs(results["baseline"])
+    except BenchInputError as exc:
+        print(f"bench calibrate: {exc}", file=sys.stderr)
+        return 2
+    levels = sorted(set(spec.levels) & set(base.levels))
+    rec = recommend(spec, base, levels, ns.objective)
+    print(render(rec, spec, base, levels))
+    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench calibrate: each pool alone",
+                          plot=not ns.no_plot, extra={"recommendation": rec_json(rec)})
+    print("wrote " + ", ".join(str(x) for x in paths))
+    return 0
+

@@ -1,0 +1,215 @@
+"""`python -m bench compare`: the canonical experiment on one pair of backends. Routers for all-baseline,
+all-speculative, spillover at the calibrated threshold and round-robin; winner per level; a verdict."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from bench import calibrate, figures, procs
+from bench.load import BenchInputError
+from bench.sweep import ArgError, SweepConfig, add_load_args, parser, run_async, run_sweep, write_outputs
+
+NOISE = 0.03  # closed-loop runs of a few requests per client repeat within about this fraction
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin")
+
+
+async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
+    """A router may start before its health probes mark backends up; wait until a request streams."""
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + wait_s
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.post(url + "/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.2)
+    raise BenchInputError(f"router {url} did not route a request within {wait_s:g}s (last: {last})")
+
+
+def winners(results: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    names = list(results)
+    for i, f0 in enumerate(results[names[0]]):
+        figs = {n: results[n][i] for n in names}
+        ok = {n: f for n, f in figs.items() if f["completed"]}
+        tp = max(ok, key=lambda n: ok[n]["output_throughput"]) if ok else None
+        lat = min(ok, key=lambda n: ok[n]["median_e2e_latency_ms"]) if ok else None
+        rows.append({"concurrency": f0["concurrency"], "throughput_winner": tp, "latency_winner": lat})
+    return rows
+
+
+def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None, threshold: int,
+            spec: calibrate.Curve | None, base: calibrate.Curve | None) -> tuple[list[str], list[dict]]:
+    """Per level: spillover against the best other configuration, and why when it is behind."""
+    lines, rows = [], []
+    others = [n for n in results if n != "spillover"]
+    for i, sp in enumerate(results["spillover"]):
+        c = sp["concurrency"]
+        best = max(others, key=lambda n: results[n][i]["output_throughput"])
+        b = results[best][i]["output_throughput"]
+        ratio = sp["output_throughput"] / b if b else float("inf")
+        status = "above" if ratio >= 1.0 else ("within noise" if ratio >= 1 - NOISE else "BELOW")
+        row = {"concurrency": c, "spillover": sp["output_throughput"], "best_other": best,
+               "best_other_tput": b, "ratio": ratio, "status": status}
+        if rec is not None and c in rec.expected:
+            row["expected_spillover"] = rec.expected[c]["spillover"]
+        rows.append(row)
+        text = (f"c={c}: spillover@{threshold} {sp['output_throughput']:.1f} tok/s vs best other "
+                f"({best}) {b:.1f} -> {ratio:.2f}x, {status}")
+        if status == "BELOW":
+            text += "; " + explain(c, threshold, best, rec, spec, base)
+        lines.append(text)
+    return lines, rows
+
+
+def explain(c: int, threshold: int, best: str, rec, spec, base) -> str:
+    if rec is None or spec is None or base is None:
+        return "no calibration data to explain it (threshold given with --threshold)"
+    k = min(c, threshold)
+    here = rec.best_per_level.get(c)
+    why = (f"with threshold {threshold}, {k} of the {c} in-flight requests run on the speculative server; "
+           f"the pool curves give {spec.throughput(k):.1f} tok/s there where the baseline would give "
+           f"{base.throughput(k):.1f} for the same {k} (plus {base.throughput(c - k):.1f} from the baseline's "
+           f"{c - k})")
+    if here is not None and here != threshold:
+        why += (f"; threshold {here} would win at this level alone, but its score over all levels is "
+                f"{rec.scores[here]:.3f} against {rec.scores[threshold]:.3f} for {threshold}")
+    if best == "round-robin":
+        why += "; round-robin puts more requests on the speculative pool at this load"
+    return why
+
+
+def main(argv: list[str]) -> int:
+    p = parser("python -m bench compare",
+               "spillover (calibrated) vs all-baseline vs all-speculative vs round-robin on one pair of "
+               "backends: simulated ones started here (default) or your own servers.")
+    p.add_argument("--speculative-profile", default="eagle3-tp8", help="simulator profile (default eagle3-tp8)")
+    p.add_argument("--baseline-profile", default="baseline-tp8", help="simulator profile (default baseline-tp8)")
+    p.add_argument("--speculative", metavar="URL", help="use this running speculative server instead of a sim")
+    p.add_argument("--baseline", metavar="URL", help="use this running baseline server instead of a sim")
+    p.add_argument("--threshold", type=int, default=None,
+                   help="spillover threshold to test (default: calibrated from the all-* runs)")
+    p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default=None, help="output file stem (default compare-SPEC-BASE)")
+    add_load_args(p)
+    p.set_defaults(speedup=None)
+    try:
+        ns = p.parse_args(argv)
+        if (ns.speculative is None) != (ns.baseline is None):
+            raise ArgError("give both --speculative and --baseline URLs, or neither (simulators)")
+        if ns.threshold is not None and ns.threshold < 0:
+            raise ArgError("--threshold must be >= 0")
+    except ArgError as exc:
+        print(f"bench compare: {exc}", file=sys.stderr)
+        return 2
+    external = ns.speculative is not None
+    if ns.speedup is None:
+        ns.speedup = 1.0 if external else 5.0
+    name = ns.name or ("compare" if external else f"compare-{ns.speculative_profile}-{ns.baseline_profile}")
+    try:
+        with procs.ProcGroup() as group:
+            return _run(ns, group, external, name, "python -m bench compare " + " ".join(argv))
+    except (BenchInputError, procs.ProcError) as exc:
+        print(f"bench compare: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench compare: interrupted", file=sys.stderr)
+        return 130
+
+
+def _cfg(ns, targets) -> SweepConfig:
+    return SweepConfig(targets=targets, concurrency=ns.concurrency, max_tokens=ns.max_tokens,
+                       prompts=ns.prompts, requests_per_level=ns.requests_per_level,
+                       duration_per_level=ns.duration_per_level, model=ns.model, speedup=ns.speedup,
+                       timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed)
+
+
+def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int:
+    if external:
+        spec_url, base_url = ns.speculative.rstrip("/"), ns.baseline.rstrip("/")
+    else:
+        spec_url = group.add(procs.start_sim(ns.speculative_profile, ns.speedup, "speculative sim")).url
+        base_url = group.add(procs.start_sim(ns.baseline_profile, ns.speedup, "baseline sim")).url
+    print(f"speculative backend {spec_url}, baseline backend {base_url}, speedup {ns.speedup:g}",
+          file=sys.stderr)
+
+    def router(policy: str, spec: bool, base: bool, threshold: int | None = None) -> str:
+        r = group.add(procs.start_router([spec_url] if spec else [], [base_url] if base else [], policy,
+                                         threshold))
+        run_async(wait_routing(r.url, ns.model))
+        return r.url
+
+    # Phase 1: each pool alone behind its own router; this is also the calibration data.
+    targets = [("all-baseline", router("spillover", False, True)),
+               ("all-speculative", router("spillover", True, False))]
+    single = run_async(run_sweep(_cfg(ns, targets)))
+    rec = spec_curve = base_curve = None
+    levels = ns.concurrency
+    threshold = ns.threshold
+    if threshold is None:
+        spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
+        base_curve = calibrate.Curve.from_figs(single["all-baseline"])
+        levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
+        rec = calibrate.recommend(spec_curve, base_curve, levels, ns.objective)
+        threshold = rec.threshold
+        print(calibrate.render(rec, spec_curve, base_curve, levels), file=sys.stderr)
+    # Phase 2: both pools behind the two routers that choose between them.
+    targets = [("spillover", router("spillover", True, True, threshold)),
+               ("round-robin", router("round-robin", True, True))]
+    mixed = run_async(run_sweep(_cfg(ns, targets)))
+    results = {n: (mixed | single)[n] for n in CONFIGS}
+    win = winners(results)
+    lines, rows = verdict(results, rec, threshold, spec_curve, base_curve)
+
+    title = (f"bench compare: {ns.speculative_profile if not external else spec_url} vs "
+             f"{ns.baseline_profile if not external else base_url}, spillover threshold {threshold}")
+    print(title)
+    print(figures.render_table(results))
+    print()
+    print("winners per level (throughput / median E2E latency):")
+    for w in win:
+        print(f"  c={w['concurrency']}: {w['throughput_winner']} / {w['latency_winner']}")
+    print()
+    print(f"verdict: spillover@{threshold} against the best other configuration (noise band {NOISE:.0%}):")
+    for line in lines:
+        print("  " + line)
+    if rec is not None:
+        print("calibrate's expected spillover vs measured: " + ", ".join(
+            f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
+            for r in rows if "expected_spillover" in r))
+    cfg = _cfg(ns, []).as_dict() | {
+        "speculative": spec_url if external else ns.speculative_profile,
+        "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
+        "objective": ns.objective}
+    extra = {"winners": win, "verdict": rows, "verdict_text": lines,
+             "calibration": calibrate.rec_json(rec) if rec else None}
+    paths = write_outputs(ns.out, name, cfg, results, title=title, plot=not ns.no_plot, extra=extra)
+    md = ns.out / f"{name}.md"
+    md.write_text(_markdown(title, results, win, lines, rec, cmd), encoding="utf-8")
+    print("wrote " + ", ".join(str(x) for x in [*paths, md]))
+    return 0
+
+
+def _markdown(title, results, win, lines, rec, cmd) -> str:
+    out = [f"## {title}", ""]
+    if cmd:
+        out += ["```", cmd, "```", ""]
+    out += [figures.render_markdown(results), "",
+            "| concurrency | throughput winner | median-latency winner |", "|---|---|---|"]
+    out += [f"| {w['concurrency']} | {w['throughput_winner']} | {w['latency_winner']} |" for w in win]
+    out += ["", "Verdict (spillover at the calibrated threshold vs the best other configuration):", ""]
+    out += [f"- {line}" for line in lines]
+    if rec is not None:
+        out += ["", "Calibration notes:", ""] + [f"- {n}" for n in rec.notes]
+    return "\n".join(out) + "\n"
