@@ -60,8 +60,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
-    assert st.session is not None
-    st.health = HealthChecker(st.pools, st.settings, st.session, st.metrics)
+    st.health = HealthChecker(st.pools, st.settings, st.metrics)
     st.health.start()
     yield
     await st.health.stop()

@@ -16,10 +16,10 @@ log = logging.getLogger("router.health")
 class HealthChecker:
     """Probes all backends every interval; `first_round` is set once every backend has been probed once."""
 
-    def __init__(self, pools: Pools, settings: Settings, session: aiohttp.ClientSession, metrics: Metrics) -> None:
+    def __init__(self, pools: Pools, settings: Settings, metrics: Metrics) -> None:
         self.pools = pools
         self.settings = settings
-        self.session = session
+        self.session: aiohttp.ClientSession | None = None
         self.metrics = metrics
         self.first_round = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -28,6 +28,7 @@ class HealthChecker:
         s = self.settings
         headers = {"Authorization": f"Bearer {b.api_key}"} if b.api_key else None
         was = b.healthy
+        assert self.session is not None
         try:
             async with asyncio.timeout(s.health_timeout):
                 async with self.session.get(b.url + "/health", headers=headers) as resp:
@@ -59,6 +60,10 @@ class HealthChecker:
             await asyncio.sleep(self.settings.health_interval)
 
     def start(self) -> None:
+        # A fresh connection per probe: a backend that stopped accepting connections must fail its probe
+        # even while an old keep-alive connection to it still works.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout))
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
@@ -69,3 +74,5 @@ class HealthChecker:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self.session is not None:
+            await self.session.close()

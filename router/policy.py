@@ -80,6 +80,8 @@ def spillover(loads: Sequence[BackendLoad], threshold: int, state: PolicyState,
     # Below threshold per healthy instance: sum < threshold * n, so no instance ever exceeds it.
     if spec and sum(b.inflight for b in spec) < threshold * len(spec):
         return _in_pool(loads, SPECULATIVE, BELOW, state, rng)
+    if not spec and threshold > 0 and any(b.pool == SPECULATIVE for b in loads):
+        return _in_pool(loads, BASELINE, FAILOVER, state, rng)  # would speculate, but that pool is down
     return _in_pool(loads, BASELINE, ABOVE, state, rng)
 
 

@@ -42,7 +42,8 @@ SPILLOVER_TABLE = [
     (snap(0, 0), 0, "baseline", B1, ABOVE),  # threshold 0: never speculate
     (snap(10**6, 0), 10**9, "speculative", S1, BELOW),  # huge threshold: always speculate
     (snap(0, 0, b1_up=False), 0, "speculative", S1, FAILOVER),
-    (snap(2, 0, s1_up=False), 4, "baseline", B1, ABOVE),
+    (snap(2, 0, s1_up=False), 4, "baseline", B1, FAILOVER),
+    (snap(2, 0, s1_up=False), 0, "baseline", B1, ABOVE),
     (snap(4, 0, b1_up=False), 4, "speculative", S1, FAILOVER),
     # per healthy instance: 7 in flight over 2 instances is below 4 each; the idler one is chosen
     (snap(4, 0, s2=3), 4, "speculative", S2, BELOW),
