@@ -147,7 +147,8 @@ async def test_shutdown_lets_streams_finish_within_drain(sim_factory, router_fac
 
 async def test_cli_sigterm_drains_and_exits_0(sim_factory):
     spec = await sim_factory("eagle3-tp8", speedup=5.0)
-    proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--port", "0", "--speculative", spec.url,
+    # Popen only forks; the simulator it talks to runs on this loop, so nothing here may block for long.
+    proc = subprocess.Popen([sys.executable, "-m", "router", "serve", "--port", "0", "--speculative", spec.url,  # noqa: ASYNC220
                              "--health-interval", "0.2", "--drain-timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
