@@ -49,6 +49,11 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
             for t in p["targets"]]
 
 
+def series_names(expr: str) -> set[str]:
+    """Series names exactly as an expression spells them (histograms with their _bucket suffix)."""
+    return set(METRIC_RE.findall(expr))
+
+
 def metric_names(expr: str) -> set[str]:
     """Exported names referenced by an expression (histogram series map to their family)."""
     return {re.sub(r"_(bucket|sum|count)$", "", m) for m in METRIC_RE.findall(expr)}
