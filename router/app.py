@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from router import proxy
 from router.errors import error_middleware
 from router.health import HealthChecker
+from router.loads import LoadPoller
 from router.metrics import Metrics
 from router.pools import Pools
 from router.settings import Settings
@@ -40,6 +41,8 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
         app.router.add_get("/metrics", proxy.metrics_handler(st))
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_health_ctx)
+    if settings.load_signal == "backend":
+        app.cleanup_ctx.append(_loads_ctx)
     if settings.metrics_port is not None:
         app.cleanup_ctx.append(_metrics_listener_ctx)
     return app
@@ -64,6 +67,15 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     st.health.start()
     yield
     await st.health.stop()
+
+
+async def _loads_ctx(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+    assert st.session is not None
+    poller = LoadPoller(st.pools, st.settings, st.session, st.metrics)
+    poller.start()
+    yield
+    await poller.stop()
 
 
 async def _metrics_listener_ctx(app: web.Application) -> AsyncIterator[None]:

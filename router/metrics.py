@@ -38,5 +38,8 @@ class Metrics:
                                    ["pool"], registry=registry)
         self.retries = Counter("router_retries_total", "Requests retried on another backend before the first byte",
                                ["pool"], registry=registry)
+        self.reported_load = Gauge("router_backend_reported_load",
+                                   "Running + waiting requests a backend reported on /v1/loads (-1: none)",
+                                   ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)

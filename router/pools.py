@@ -11,7 +11,8 @@ from router.policy import POOLS, BackendLoad, Decision, PolicyState, decide, ret
 class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
-    __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight")
+    __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
+                 "reported", "_inflight_at_report")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None) -> None:
         self.url = url
@@ -23,10 +24,23 @@ class Backend:
         self.fails = 0
         self.successes = 0
         self._inflight = 0
+        self.reported: int | None = None  # running + waiting the backend itself last reported
+        self._inflight_at_report = 0
 
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    def report(self, load: int | None) -> None:
+        self.reported = load
+        self._inflight_at_report = self._inflight
+
+    @property
+    def load_estimate(self) -> int:
+        """The backend's own figure (other router replicas included) plus what we sent since it came in."""
+        if self.reported is None:
+            return self._inflight
+        return max(self._inflight, self.reported + self._inflight - self._inflight_at_report)
 
     def lease(self) -> Lease:
         self._inflight += 1
@@ -37,7 +51,7 @@ class Backend:
         self._inflight = max(0, self._inflight - 1)
 
     def load(self) -> BackendLoad:
-        return BackendLoad(self.url, self.pool, self._inflight, self.healthy)
+        return BackendLoad(self.url, self.pool, self.load_estimate, self.healthy)
 
     # Health transitions; the thresholds keep one slow probe on a busy backend from ejecting it.
     def probe_ok(self, success_threshold: int) -> None:

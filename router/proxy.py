@@ -79,7 +79,7 @@ def with_usage(body: bytes, obj: dict) -> bytes:
         i = body.index(b"{") + 1
         return body[:i] + b'"stream_options":{"include_usage":true},' + body[i:]
     opts = obj["stream_options"] if isinstance(obj["stream_options"], dict) else {}
-    return json.dumps({**obj, "stream_options": {**opts, "include_usage": True}}, ensure_ascii=False).encode()
+    return json.dumps({**obj, "stream_options": {**opts, "include_usage": True}}).encode()
 
 
 def pinned_pool(request: web.Request) -> str | None:

@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     threshold: int = Field(32, ge=0, description="spillover: in-flight per speculative instance; global: total in-flight")
     hysteresis: int = Field(0, ge=0, description="global policy: go back to speculative only below threshold - hysteresis")
 
+    load_signal: Literal["local", "backend"] = Field(
+        "local", description="local: this router's own in-flight counts; backend: also poll each backend's "
+        "/v1/loads (running + waiting), for several router replicas in front of the same backends")
+    load_interval: float = Field(1.0, gt=0, description="seconds between /v1/loads polls (load_signal backend)")
+
     host: str = Field("127.0.0.1", description="listen address")
     port: int = Field(8000, ge=0, le=65535, description="listen port (0 picks a free one)")
     metrics_host: str | None = Field(None, description="serve /metrics only on this separate address")

@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.fixtures_router import CHAT_BODY
+from tests.fixtures_router import CHAT_BODY, sim_stats
 
 # SGLang (and the simulator) give every response a fresh random id and the current second as `created`;
 # everything else must match byte for byte.
@@ -174,3 +174,26 @@ async def aiohttp_capture():
     cap.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     yield cap
     await runner.cleanup()
+
+
+async def test_stream_is_forwarded_as_it_arrives(sim_factory, router_factory):
+    # At real speed this generation lasts ~20 s; the first events must reach the client while it still runs.
+    sim = await sim_factory(speedup=1.0)
+    router = await router_factory([sim.url], [])
+    body = {**CHAT_BODY, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/chat/completions", json=body) as r:
+        for _ in range(3):
+            event = await r.content.readuntil(b"\n\n")
+            assert event.startswith(b"data: {")
+        stats = await sim_stats(sim.url)
+        assert stats["running"] == 1 and stats["completed_total"] == 0
+        r.close()
+
+
+async def test_include_usage_requested_with_other_stream_options(pair):
+    spec, _, router = pair
+    body = {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": False}}
+    _, _, routed = await raw_post(router.url, "/v1/chat/completions", body)
+    _, _, direct = await raw_post(spec.url, "/v1/chat/completions", body)
+    assert normalise(routed) == normalise(direct)
+    assert router.metric("router_completion_tokens_total", pool="speculative") == 12

@@ -169,3 +169,42 @@ async def test_starts_while_backend_loads_then_routes(sim_factory, router_factor
         assert await poll(lambda: router.state.pools.any_healthy(), 5)
         async with s.post(router.url + "/v1/chat/completions", json=CHAT_BODY) as r:
             assert r.status == 200
+
+
+@pytest.mark.parametrize("signal", ["local", "backend"])
+async def test_replicas_share_load_through_backend_signal(sim_factory, router_factory, signal):
+    """Two router replicas, one speculative backend: with the backend's own figures, B sees A's load."""
+    spec = await sim_factory("eagle3-tp8", speedup=1.0, faults={"stall_after_chunks": 1})
+    base = await sim_factory(speedup=1.0, faults={"stall_after_chunks": 1})
+    opts = {"threshold": 2, "load_signal": signal, "load_interval": 0.05}
+    a = await router_factory([spec.url], [base.url], **opts)
+    b = await router_factory([spec.url], [base.url], **opts)
+    async with AsyncExitStack() as stack:
+        first = await open_streams(a.url, 2, stack, LONG)
+        assert [r.headers["X-Router-Pool"] for r in first] == ["speculative", "speculative"]
+        if signal == "backend":
+            assert await poll(lambda: b.state.pools.backends[0].reported == 2, 3)
+        second = await open_streams(b.url, 1, stack, LONG)
+        expected = "baseline" if signal == "backend" else "speculative"
+        assert second[0].headers["X-Router-Pool"] == expected
+    assert await a.wait_idle() == {spec.url: 0, base.url: 0}
+    assert await b.wait_idle() == {spec.url: 0, base.url: 0}
+
+
+def test_load_estimate_counts_requests_sent_since_the_report():
+    from router.loads import parse_loads
+    from router.pools import Backend
+
+    b = Backend("http://x:1", "speculative")
+    leases = [b.lease() for _ in range(2)]
+    b.report(parse_loads({"loads": [{"num_running_reqs": 5, "num_waiting_reqs": 1}]}))
+    assert b.load_estimate == 6
+    leases.append(b.lease())
+    assert b.load_estimate == 7  # one more since the report
+    for lease in leases:
+        lease.release()
+    assert b.load_estimate == 4  # our two that it counted have ended
+    b.report(None)
+    assert b.load_estimate == 0
+    assert parse_loads({"loads": [{"num_running_reqs": 1}, {"num_running_reqs": 2, "num_waiting_reqs": 3}]}) == 6
+    assert parse_loads({"loads": "x"}) is None and parse_loads([]) is None
