@@ -116,7 +116,8 @@ def main(argv: list[str]) -> int:
     external = ns.speculative is not None
     if ns.speedup is None:
         ns.speedup = 1.0 if external else 5.0
-    name = ns.name or ("compare" if external else f"compare-{ns.speculative_profile}-{ns.baseline_profile}")
+    name = ns.name or ("compare" if external else
+                       f"compare-{Path(ns.speculative_profile).stem}-{Path(ns.baseline_profile).stem}")
     try:
         with procs.ProcGroup() as group:
             return _run(ns, group, external, name, "python -m bench compare " + " ".join(argv))
@@ -132,7 +133,8 @@ def _cfg(ns, targets) -> SweepConfig:
     return SweepConfig(targets=targets, concurrency=ns.concurrency, max_tokens=ns.max_tokens,
                        prompts=ns.prompts, requests_per_level=ns.requests_per_level,
                        duration_per_level=ns.duration_per_level, model=ns.model, speedup=ns.speedup,
-                       timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed)
+                       timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed,
+                       rounds=ns.rounds)
 
 
 def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int:

@@ -92,9 +92,10 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
 
 
 def start_sim(profile: str, speedup: float, name: str | None = None, extra: list[str] | None = None) -> Proc:
+    """`profile` is a built-in profile name or a path to a profile JSON file."""
+    which = ["--profile-file", profile] if profile.endswith(".json") else ["--profile", profile]
     return start(name or f"sim {profile}",
-                 ["bench", "sim", "--profile", profile, "--port", "0", "--speedup", f"{speedup:g}",
-                  *(extra or [])])
+                 ["bench", "sim", *which, "--port", "0", "--speedup", f"{speedup:g}", *(extra or [])])
 
 
 def start_router(speculative: list[str], baseline: list[str], policy: str, threshold: int | None = None,

@@ -86,7 +86,9 @@ def add_load_args(p: argparse.ArgumentParser, *, concurrency: str = DEFAULT_CONC
     p.add_argument("--max-tokens", type=positive(int), default=512)
     p.add_argument("--prompts", default="coding", help="coding | general | FILE.jsonl")
     p.add_argument("--requests-per-level", type=positive(int), default=None,
-                   help="requests per level (default: 4 x concurrency, at least 16)")
+                   help="requests per level (default: --rounds x concurrency, at least 16)")
+    p.add_argument("--rounds", type=positive(int), default=4,
+                   help="closed loop: requests per client per level when --requests-per-level is not given")
     p.add_argument("--duration-per-level", type=positive(float), default=None,
                    help="seconds of wall time per level instead of a request count")
     p.add_argument("--model", default="default", help="value of the 'model' field sent")
@@ -114,18 +116,21 @@ class SweepConfig:
     timeout: float = 600.0
     ignore_eos: bool = False
     seed: int = 0
+    rounds: int = 4
+    min_requests: int = 16
     extra: dict = field(default_factory=dict)
 
     def requests_for(self, level: int) -> int | None:
         if self.duration_per_level is not None and self.requests_per_level is None:
             return None
-        return self.requests_per_level or max(16, 4 * level)
+        return self.requests_per_level or max(self.min_requests, self.rounds * level)
 
     def as_dict(self) -> dict:
         return {"targets": dict(self.targets), "concurrency": self.concurrency, "max_tokens": self.max_tokens,
                 "prompts": self.prompts, "requests_per_level": self.requests_per_level,
                 "duration_per_level": self.duration_per_level, "request_rates": self.request_rates,
-                "model": self.model, "speedup": self.speedup, "ignore_eos": self.ignore_eos, "seed": self.seed}
+                "model": self.model, "speedup": self.speedup, "ignore_eos": self.ignore_eos, "seed": self.seed,
+                "rounds": self.rounds}
 
 
 def config_from_args(ns: argparse.Namespace, targets: list[tuple[str, str]]) -> SweepConfig:
@@ -133,7 +138,8 @@ def config_from_args(ns: argparse.Namespace, targets: list[tuple[str, str]]) -> 
                        prompts=ns.prompts, requests_per_level=ns.requests_per_level,
                        duration_per_level=ns.duration_per_level,
                        request_rates=getattr(ns, "request_rate", None), model=ns.model,
-                       speedup=ns.speedup, timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed)
+                       speedup=ns.speedup, timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed,
+                       rounds=ns.rounds)
 
 
 class ProgressBar:
