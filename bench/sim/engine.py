@@ -20,8 +20,10 @@ _WORDS = (
 _PUNCT = [".", ",", "\n", ":", ";"]
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _CODE_RE = re.compile(
-    r"```|\bdef |\bclass |\bfunction\b|\bimport |#include|\breturn\b|\bcode\b|\bpython\b|\bjavascript\b"
-    r"|\brust\b|\bSQL\b|\bbug\b|\bcompile|\bregex\b|\bscript\b|[{}]",
+    r"`|\{|\}|\b(def|class|function|import|return|code|python|rust|golang|go|java|javascript|typescript|c\+\+"
+    r"|bash|shell|git|docker\w*|kubernetes|pytest|unit tests?|regex|regular expression|sql|api|thread\w*"
+    r"|compile\w*|bug|debug\w*|script|json|yaml|ci|index|quer(y|ies)|b-tree|cap theorem|memory usage"
+    r"|fastapi|pydantic|deployment|manifest|xargs)\b",
     re.IGNORECASE,
 )
 # Without max_tokens and with ignore_eos a request would run to the context length; stop somewhere sane.

@@ -27,7 +27,7 @@ class Profile(BaseModel):
     # decode step of a running batch of n requests: a + b*n + q*n^2 (ms)
     decode_a_ms: float = Field(gt=0)
     decode_b_ms: float = Field(ge=0)
-    decode_q_ms: float = Field(default=0.0, ge=0)
+    decode_q_ms: float = 0.0  # may be negative (a concave curve) as long as the step keeps growing
     # prefill added to the step that admits new requests: p0 + p1 * new prompt tokens (ms)
     prefill_base_ms: float = Field(default=0.0, ge=0)
     prefill_ms_per_token: float = Field(default=0.0, ge=0)
@@ -56,6 +56,9 @@ class Profile(BaseModel):
                 value = getattr(self, f"accept_length_{kind}")
                 if value > cap:
                     raise ValueError(f"accept_length_{kind}={value} exceeds num_steps+1={cap}")
+        cap = self.max_running_requests
+        if self.decode_b_ms + 2 * self.decode_q_ms * cap < 0 or self.step_ms(cap) <= 0:
+            raise ValueError("decode step must stay positive and non-decreasing up to max_running_requests")
         lo, hi = self.natural_output_tokens
         if not 1 <= lo <= hi:
             raise ValueError("natural_output_tokens must be [lo, hi] with 1 <= lo <= hi")
@@ -67,8 +70,11 @@ class Profile(BaseModel):
         return self.speculative_num_steps + 1 if self.speculative else 1
 
     def step_ms(self, n: int) -> float:
-        """Duration of one decode step with n running requests."""
-        return self.decode_a_ms + self.decode_b_ms * n + self.decode_q_ms * n * n
+        """Duration of one decode step with n running requests (straight on past the profile's cap)."""
+        a, b, q, cap = self.decode_a_ms, self.decode_b_ms, self.decode_q_ms, self.max_running_requests
+        if n <= cap or q >= 0:
+            return a + b * n + q * n * n
+        return a + b * cap + q * cap * cap + (b + 2 * q * cap) * (n - cap)
 
     def prefill_ms(self, new_tokens: int) -> float:
         return self.prefill_base_ms + self.prefill_ms_per_token * new_tokens if new_tokens else 0.0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -117,6 +118,24 @@ def chat_chunk(rid: str, created: int, model: str, *, role: str | None = None, c
                      "matched_stop": matched_stop}],
     }
     return f"data: {dumps(chunk)}\n\n".encode()
+
+
+class ContentChunks:
+    """The per-token content chunk of one stream, pre-rendered around its only changing field (hot path)."""
+
+    def __init__(self, rid: str, created: int, model: str, *, chat: bool) -> None:
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model}
+        lead = dumps(head)[:-1]
+        if chat:
+            self._pre = f'data: {lead},"choices":[{{"index":0,"delta":{{"reasoning_content":null,"content":'.encode()
+            self._post = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
+        else:
+            self._pre = f'data: {lead},"choices":[{{"index":0,"text":'.encode()
+            self._post = b',"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":null}\n\n'
+
+    def __call__(self, text: str) -> bytes:
+        return self._pre + encode_basestring(text).encode() + self._post
 
 
 def chat_usage_chunk(rid: str, created: int, model: str, prompt: int, completion: int) -> bytes:

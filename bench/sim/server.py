@@ -320,6 +320,7 @@ class SimServer:
             await resp.write(data)
             sent += 1
 
+        content = P.ContentChunks(req.rid, created, model, chat=chat)
         first = True
         while True:
             piece, finished = await req.outbox.get()
@@ -327,14 +328,15 @@ class SimServer:
                 if first:
                     await send(P.chat_chunk(req.rid, created, model, role="assistant", content=""))
                 if piece:
-                    await send(P.chat_chunk(req.rid, created, model, content=piece))
+                    await send(content(piece))
                 if finished:
                     await send(P.chat_chunk(req.rid, created, model, finish_reason=req.finish_reason,
                                             matched_stop=req.matched_stop))
-            elif piece or finished or first:
-                await send(P.completion_chunk(req.rid, created, model, piece,
-                                              req.finish_reason if finished else None,
-                                              req.matched_stop if finished else None))
+            elif finished:
+                await send(P.completion_chunk(req.rid, created, model, piece, req.finish_reason,
+                                              req.matched_stop))
+            elif piece or first:
+                await send(content(piece))
             first = False
             if finished:
                 break
