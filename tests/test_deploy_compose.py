@@ -430,3 +430,17 @@ def test_image_entry_points_need_only_runtime_dependencies(entry: str) -> None:
     allowed = {RUNTIME_IMPORTS.get(n, n.replace("-", "_")) for n in names} | {"multidict", "yarl"}
     extra = {m: where for m, where in third_party_imports(entry).items() if m not in allowed}
     assert not extra, f"{entry} imports modules the runtime image lacks (pip install . has no extras): {extra}"
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_published_ports_are_distinct_and_sglang_stays_on_loopback(path: Path) -> None:
+    published: dict[str, str] = {}
+    for name, svc in load_compose(path)["services"].items():
+        for spec in svc.get("ports", []):
+            parts = str(spec).split(":")
+            host_port = parts[-2]
+            assert host_port not in published, f"{name} and {published.get(host_port)} both publish {host_port}"
+            published[host_port] = name
+            if name.startswith("sglang-"):
+                assert parts[0] == "127.0.0.1" and parts[-1] == str(SGLANG_PORT), spec
+    assert set(published.values()) == {"router", "prometheus", "grafana", "sglang-speculative", "sglang-baseline"}
