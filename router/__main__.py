@@ -35,6 +35,10 @@ def _metavar(annotation: object) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = _Parser(prog=PROG, description="Load-aware OpenAI-compatible router for speculative and baseline "
                      "SGLang pools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -55,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
             shown = "unset" if default is None else ("***" if "key" in name else default)
             serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description} (default: {shown})")
     serve.set_defaults(**{name: None for name in Settings.model_fields})
-    return parser
+    return parser, serve
 
 
 def parse(argv: list[str]) -> Settings:
@@ -108,9 +112,13 @@ def _loop_factory() -> typing.Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        build_parser().print_help()
-        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        # The top-level help also shows every setting: `serve` is the only command.
+        parser, serve = _parsers()
+        parser.print_help()
+        print()
+        serve.print_help()
+        return 0 if argv else 2
     settings = parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

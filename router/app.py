@@ -29,7 +29,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
-    app = web.Application(middlewares=[error_middleware, proxy.auth_middleware],
+    app = web.Application(middlewares=[proxy.count_rejections, error_middleware, proxy.auth_middleware],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
     app.router.add_post(proxy.CHAT, proxy.chat_completions)

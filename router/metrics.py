@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.policy import POOLS
+
 # Latency buckets span a fast proxy hop to a long generation.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -43,3 +45,6 @@ class Metrics:
                                    ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)
+        # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
+        self.ttft_by_pool = {p: self.ttft.labels(p) for p in POOLS}
+        self.itl_by_pool = {p: self.itl.labels(p) for p in POOLS}

@@ -42,6 +42,16 @@ CLIENT_CLOSED = "499"
 # ---------------------------------------------------------------- request side
 
 @web.middleware
+async def count_rejections(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Count answers the router gave without any backend (400/401/404/405/413/503) as pool="none"."""
+    resp = await handler(request)
+    if resp.status >= 400 and BACKEND_HEADER not in resp.headers:
+        request.app[STATE].metrics.requests.labels("none", "none", str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
 async def auth_middleware(request: web.Request,
                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     st = request.app[STATE]
@@ -239,9 +249,9 @@ class Exchange:
                 if events:
                     now = time.monotonic()
                     if last is None:
-                        m.ttft.labels(self.pool).observe(now - self.t0)
+                        m.ttft_by_pool[self.pool].observe(now - self.t0)
                     else:
-                        m.itl.labels(self.pool).observe(now - last)
+                        m.itl_by_pool[self.pool].observe(now - last)
                     last = now
                     await out.write(events)
                 try:
@@ -295,7 +305,6 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
         body = with_usage(body, obj)
     got = st.pools.acquire(pinned)
     if got is None:
-        st.metrics.requests.labels("none", "none", "503").inc()
         raise NoHealthyBackend("no healthy backend in either pool")
     lease, decision = got
     st.metrics.decisions.labels(decision.pool, decision.reason).inc()

@@ -197,3 +197,17 @@ async def test_slow_body_upload_does_not_block_others(guarded):
         resp = await slow
         assert_openai_error(resp.status, await resp.read(), 400, "invalid_request_error", "invalid_json")
         resp.release()
+
+
+async def test_router_made_errors_are_counted_without_a_backend(guarded):
+    sim, router = guarded
+    await call("POST", router.url + CHAT, data=b"{}")  # no key
+    await call("GET", router.url + "/nope")
+    await call("POST", router.url + CHAT, data=b"[", headers=AUTH)
+    assert router.metric("router_requests_total", pool="none", backend="none", code="401") == 1
+    assert router.metric("router_requests_total", pool="none", backend="none", code="404") == 1
+    assert router.metric("router_requests_total", pool="none", backend="none", code="400") == 1
+    await sim.stop_listener()
+    router.state.pools.backends[0].refused()
+    await call("POST", router.url + CHAT, data=json.dumps(CHAT_BODY).encode(), headers=AUTH)
+    assert router.metric("router_requests_total", pool="none", backend="none", code="503") == 1
