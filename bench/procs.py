@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ class Proc:
     proc: subprocess.Popen
     url: str = ""
     _stderr: deque = field(default_factory=lambda: deque(maxlen=20))
+    _readers: list[threading.Thread] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -45,10 +45,8 @@ class Proc:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        for t in self._readers:  # each reader closes its pipe at EOF
+            t.join(2.0)
         return self.proc.returncode
 
 
@@ -65,20 +63,23 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     ready = threading.Event()
 
     def read_stdout() -> None:
-        assert popen.stdout is not None
-        for line in popen.stdout:
-            if not found and (m := LISTEN_RE.match(line.strip())):
-                found.append(m.group(1))
-                ready.set()
+        # Keep draining after the line so a chatty child never blocks on a full pipe.
+        with popen.stdout:  # type: ignore[union-attr]
+            for line in popen.stdout:  # type: ignore[union-attr]
+                if not found and (m := LISTEN_RE.match(line.strip())):
+                    found.append(m.group(1))
+                    ready.set()
         ready.set()  # EOF: the child exited
 
     def read_stderr() -> None:
-        assert popen.stderr is not None
-        for line in popen.stderr:
-            p._stderr.append(line)
+        with popen.stderr:  # type: ignore[union-attr]
+            for line in popen.stderr:  # type: ignore[union-attr]
+                p._stderr.append(line)
 
-    threading.Thread(target=read_stdout, daemon=True).start()
-    threading.Thread(target=read_stderr, daemon=True).start()
+    p._readers = [threading.Thread(target=read_stdout, daemon=True),
+                  threading.Thread(target=read_stderr, daemon=True)]
+    for t in p._readers:
+        t.start()
     ready.wait(wait_s)
     if found:
         p.url = found[0]
@@ -87,7 +88,7 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     if rc is None:
         p.stop()
         raise ProcError(f"{name}: no 'listening on' line within {wait_s:g}s ({' '.join(args)})")
-    time.sleep(0.1)  # let the stderr reader catch the last lines
+    p.stop()  # reaps it and lets the readers reach EOF, so the stderr tail is complete
     raise ProcError(f"{name}: exited with code {rc} before listening ({' '.join(args)}): {p.stderr_tail()}")
 
 

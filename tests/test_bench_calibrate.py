@@ -1,0 +1,99 @@
+"""Calibration model against hand-computed values, and the verdict/winner logic of compare."""
+from __future__ import annotations
+
+import pytest
+
+from bench import calibrate, compare
+from bench.calibrate import Curve
+
+
+def _curve(points: dict[int, float], tokens: int = 100) -> Curve:
+    levels = sorted(points)
+    # median E2E from Little's law with `tokens` per request: c * tokens / throughput seconds
+    return Curve(levels, [points[c] for c in levels], [c * tokens / points[c] * 1000 for c in levels])
+
+
+SPEC = _curve({1: 10.0, 2: 15.0})
+BASE = _curve({1: 8.0, 2: 16.0})
+
+
+def test_curve_interpolation():
+    c = _curve({1: 10.0, 4: 40.0, 10: 50.0})
+    assert c.throughput(0) == 0.0
+    assert c.throughput(0.5) == pytest.approx(5.0)
+    assert c.throughput(2) == pytest.approx(20.0)
+    assert c.throughput(7) == pytest.approx(45.0)
+    assert c.throughput(100) == 50.0  # saturated beyond the last level
+    assert c.latency(1) == pytest.approx(10_000.0)
+    assert c.latency(20) == pytest.approx(c.latency(10) * 2)
+
+
+def test_spillover_prediction_and_recommendation():
+    # threshold 1 at c=2: one request on each pool -> S(1) + B(1) = 18
+    assert calibrate.spillover(SPEC, BASE, 1, 2)[0] == pytest.approx(18.0)
+    assert calibrate.spillover(SPEC, BASE, 0, 2)[0] == pytest.approx(16.0)
+    assert calibrate.spillover(SPEC, BASE, 5, 1)[0] == pytest.approx(10.0)
+    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    # T=0: 8/10, 16/18; T=1: 10/10, 18/18; T=2: 10/10, 15/18
+    assert rec.threshold == 1
+    assert rec.scores[1] == pytest.approx(1.0)
+    assert rec.scores[0] == pytest.approx((0.8 + 16 / 18) / 2)
+    assert rec.scores[2] == pytest.approx((1.0 + 15 / 18) / 2)
+    assert rec.best_per_level == {1: 1, 2: 1}
+    assert rec.expected[2]["all-baseline"] == 16.0 and rec.expected[2]["all-speculative"] == 15.0
+
+
+def test_round_robin_balances_completion_rates():
+    # both pools complete at the same rate: 10*cs = 8 + 8*(1-cs) -> cs = 8/9
+    tput, _ = calibrate.round_robin(SPEC, BASE, 2)
+    assert tput == pytest.approx(2 * 80 / 9, rel=1e-6)
+
+
+def test_mixed_median_falls_in_the_larger_group():
+    fast = _curve({1: 100.0, 2: 100.0})  # latency 1000 ms at c=1, 2000 ms at c=2
+    slow = _curve({1: 10.0, 2: 20.0})  # latency 10000 ms at c=1 and c=2
+    # 2 on fast complete 1/s, 1 on slow completes 0.1/s: the median request is a fast one
+    assert calibrate._mixed_median(fast, 2, slow, 1) == pytest.approx(2000.0)
+    # even split of completions: halfway
+    assert calibrate._mixed_median(fast, 1, fast, 1) == pytest.approx(1000.0)
+
+
+def test_diagnose_flags_speculative_slower_at_one():
+    notes = calibrate.diagnose(_curve({1: 77.5, 10: 239.6}), _curve({1: 92.6, 10: 457.2}))
+    assert "SLOWER" in notes[0] and "77.5 vs 92.6" in notes[0] and "0.84x" in notes[0]
+    notes = calibrate.diagnose(_curve({1: 120.0, 10: 380.0}), _curve({1: 92.6, 10: 457.2}))
+    assert "faster at concurrency 1" in notes[0] and "From concurrency 10" in notes[1]
+
+
+def test_recommend_latency_objective_prefers_fast_pool_at_low_load():
+    spec = _curve({1: 20.0, 2: 22.0})  # much faster alone, saturates early
+    base = _curve({1: 10.0, 2: 20.0})
+    rec = calibrate.recommend(spec, base, [1, 2], objective="latency")
+    assert rec.best_per_level[1] >= 1  # the one request goes to the faster speculative server
+    assert rec.objective == "latency" and rec.threshold in rec.scores
+
+
+def _fig(c: int, tput: float, e2e: float, completed: int = 4) -> dict:
+    return {"concurrency": c, "output_throughput": tput, "median_e2e_latency_ms": e2e, "completed": completed,
+            "failed": 0}
+
+
+def test_winners_and_verdict():
+    results = {
+        "spillover": [_fig(1, 10.0, 900.0), _fig(2, 18.0, 1000.0)],
+        "all-baseline": [_fig(1, 8.0, 800.0), _fig(2, 16.0, 1200.0)],
+        "all-speculative": [_fig(1, 10.0, 950.0), _fig(2, 15.0, 1300.0)],
+        "round-robin": [_fig(1, 9.0, 850.0), _fig(2, 18.5, 1100.0, completed=0)],
+    }
+    win = compare.winners(results)
+    assert win[0] == {"concurrency": 1, "throughput_winner": "spillover", "latency_winner": "all-baseline"}
+    # round-robin completed nothing at c=2, so it cannot win there
+    assert win[1]["throughput_winner"] == "spillover" and win[1]["latency_winner"] == "spillover"
+    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    assert rows[0]["status"] == "above" and rows[0]["best_other"] == "all-speculative"
+    assert rows[1]["best_other"] == "round-robin" and rows[1]["status"] == "within noise"
+    results["spillover"][1]["output_throughput"] = 12.0
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    assert rows[1]["status"] == "BELOW" and "1 of the 2 in-flight requests" in lines[1]
+    assert rows[1]["expected_spillover"] == pytest.approx(18.0)

@@ -1,0 +1,133 @@
+"""End-to-end at small scale on the simulator: sweep, calibrate, compare, demo, subprocess handling."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+from bench import calibrate, compare, demo, procs
+from bench.load import LoadSpec, load_prompts, run_closed
+from bench.sweep import SweepConfig, run_sweep
+
+FAST = 50.0  # simulated clock 50x faster than the wall clock
+
+
+async def test_sweep_on_simulators(sim_factory):
+    spec = await sim_factory("eagle3-tp8", speedup=FAST)
+    base = await sim_factory("baseline-tp8", speedup=FAST)
+    cfg = SweepConfig(targets=[("spec", spec.url), ("base", base.url)], concurrency=[1, 4], max_tokens=24,
+                      requests_per_level=6, speedup=FAST)
+    results = await run_sweep(cfg, quiet=True)
+    for name in ("spec", "base"):
+        assert [f["concurrency"] for f in results[name]] == [1, 4]
+        for f in results[name]:
+            assert f["completed"] == 6 and f["failed"] == 0
+            assert f["total_output_tokens"] == 6 * 24  # usage.completion_tokens, max_tokens reached
+            assert f["output_throughput"] > 0 and f["median_ttft_ms"] > 0 and f["mean_tpot_ms"] > 0
+            assert f["usage_missing"] == 0
+    # the speculative server reports its accept length on /server_info; the baseline has none
+    assert results["spec"][0]["accept_length"] is not None and results["spec"][0]["accept_length"] > 1.0
+    assert results["base"][0]["accept_length"] in (None, 0.0)
+
+
+async def test_speculative_chunks_carry_several_tokens(sim_factory):
+    spec = await sim_factory("eagle3-tp8", speedup=FAST)
+    run = await run_closed(LoadSpec(url=spec.url, prompts=load_prompts("coding"), max_tokens=40, requests=3),
+                           concurrency=1)
+    for r in run.records:
+        assert r.ok and r.output_tokens == 40
+        assert len(r.chunk_times) < r.output_tokens  # accepted drafts arrive together
+
+
+async def test_failing_simulator_counts_failures(sim_factory):
+    sim = await sim_factory("baseline-tp8", speedup=FAST, faults={"error_rate": 1.0, "error_status": 503})
+    run = await run_closed(LoadSpec(url=sim.url, prompts=load_prompts("general"), max_tokens=8, requests=4),
+                           concurrency=2)
+    assert len(run.records) == 4 and all(r.error and r.error.startswith("HTTP 503") for r in run.records)
+
+
+async def test_calibrate_cli_on_simulators(sim_factory, tmp_path, capsys):
+    spec = await sim_factory("eagle3-tp8", speedup=FAST)
+    base = await sim_factory("baseline-tp8", speedup=FAST)
+    rc = await asyncio.to_thread(calibrate.main, [
+        "--speculative", spec.url, "--baseline", base.url + "/v1", "--concurrency", "1,3",
+        "--requests-per-level", "4", "--max-tokens", "16", "--speedup", str(FAST), "--out", str(tmp_path),
+        "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "recommended spillover threshold" in out and ("SLOWER" in out or "faster at concurrency" in out)
+    data = json.loads((tmp_path / "calibrate.json").read_text())
+    rec = data["recommendation"]
+    assert 0 <= rec["threshold"] <= 3 and set(rec["expected"]) == {"1", "3"}
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--speculative", "http://127.0.0.1:1"], "--baseline"),
+    (["--speculative", "localhost:1", "--baseline", "http://127.0.0.1:2"], "expected http://"),
+    (["--speculative", "http://a", "--baseline", "http://b", "--objective", "cost"], "invalid choice"),
+])
+def test_calibrate_bad_flags(argv, fragment, capsys):
+    assert calibrate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+def test_compare_cli_small(tmp_path, capsys):
+    rc = compare.main(["--concurrency", "1,3", "--requests-per-level", "3", "--max-tokens", "12",
+                       "--speedup", str(FAST), "--out", str(tmp_path), "--name", "cmp"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    assert list(data["results"]) == ["spillover", "all-baseline", "all-speculative", "round-robin"]
+    for figs in data["results"].values():
+        assert [f["completed"] for f in figs] == [3, 3]
+    assert data["config"]["threshold"] == data["calibration"]["threshold"]
+    assert len(data["verdict"]) == 2 and {w["throughput_winner"] for w in data["winners"]} <= set(data["results"])
+    md = (tmp_path / "cmp.md").read_text()
+    assert "python -m bench compare" in md and "| concurrency |" in md
+    assert (tmp_path / "cmp.png").exists() and "verdict" in cap.out
+
+
+def test_compare_bad_flags(capsys):
+    assert compare.main(["--speculative", "http://127.0.0.1:1"]) == 2
+    assert "both" in capsys.readouterr().err
+    assert compare.main(["--speculative-profile", "no-such-profile", "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "speculative sim" in err and "Traceback" not in err.splitlines()[-1]
+
+
+def test_demo_small(tmp_path, capsys):
+    rc = demo.main(["--concurrency", "1,2", "--max-tokens", "8", "--speedup", str(FAST), "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    out = cap.out
+    assert rc == 0, cap.err
+    assert "output throughput (tok/s)" in out and f"plot: {tmp_path / 'demo.png'}" in out
+    assert (tmp_path / "demo.png").exists()
+
+
+def test_procs_start_and_stop_sim():
+    p = procs.start_sim("baseline-tp8", FAST)
+    try:
+        assert p.url.startswith("http://127.0.0.1:")
+    finally:
+        rc = p.stop()
+    assert rc == 0 and p.proc.poll() is not None
+
+
+def test_procs_errors_are_one_line():
+    with pytest.raises(procs.ProcError, match="exited with code") as exc:
+        procs.start("bad", ["bench", "sim", "--profile", "no-such-profile", "--port", "0"], wait_s=20)
+    assert "\n" not in str(exc.value)
+    # A server that never prints the line: bounded wait, then it is stopped.
+    with pytest.raises(procs.ProcError, match="no 'listening on' line within 1.5s"):
+        procs.start("silent", ["http.server", "0", "--bind", "127.0.0.1"], wait_s=1.5)
+
+
+def test_procs_group_stops_everything():
+    with procs.ProcGroup() as g:
+        a = g.add(procs.start_sim("baseline-tp8", FAST))
+        b = g.add(procs.start("py", ["bench", "sim", "--profile", "eagle3-tp8", "--port", "0"]))
+    assert a.proc.poll() is not None and b.proc.poll() is not None
+    assert sys.executable  # the children ran under this interpreter
