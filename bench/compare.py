@@ -3,6 +3,7 @@ all-speculative, spillover at the calibrated threshold and round-robin; winner p
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -138,6 +139,7 @@ def _cfg(ns, targets) -> SweepConfig:
 
 
 def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int:
+    load_start, t_start = os.getloadavg(), time.time()
     if external:
         spec_url, base_url = ns.speculative.rstrip("/"), ns.baseline.rstrip("/")
     else:
@@ -194,7 +196,10 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
         "speculative": spec_url if external else ns.speculative_profile,
         "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
         "objective": ns.objective}
-    extra = {"winners": win, "verdict": rows, "verdict_text": lines,
+    # Other work on the host skews a closed-loop run; record how busy it was for whoever reads the results.
+    host = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
+            "wall_seconds": round(time.time() - t_start, 1)}
+    extra = {"host": host, "winners": win, "verdict": rows, "verdict_text": lines,
              "calibration": calibrate.rec_json(rec) if rec else None}
     paths = write_outputs(ns.out, name, cfg, results, title=title, plot=not ns.no_plot, extra=extra)
     md = ns.out / f"{name}.md"
