@@ -102,6 +102,17 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+def _raise_fd_limit() -> None:
+    # Each stream holds two sockets (client and backend); the common soft limit of 1024 caps that at ~500.
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _loop_factory() -> typing.Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -114,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         # The top-level help also shows every setting: `serve` is the only command.
-        parser, serve = _parsers()
+        parser, serve_parser = _parsers()
         parser.print_help()
         print()
-        serve.print_help()
+        serve_parser.print_help()
         return 0 if argv else 2
     settings = parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_fd_limit()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings))
 
