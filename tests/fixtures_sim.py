@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import sysconfig
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +20,58 @@ from bench.sim.profiles import Profile, load_profile
 from bench.sim.server import SimConfig, SimServer
 
 REPO = Path(__file__).resolve().parents[1]
+# the pinned SGLang wheel, installed with --no-deps; only files that need no torch are loaded from it
+SGLANG_DIR = Path(sysconfig.get_paths()["purelib"]) / "sglang"
+
+
+def _load_by_path(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pydantic look their module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def load_sglang_protocol() -> types.ModuleType:
+    """sglang/srt/entrypoints/openai/protocol.py, loaded by path (importing `sglang` itself pulls in torch).
+
+    The file's one sglang import is `from sglang.utils import convert_json_schema_to_str` (sglang/utils.py
+    imports numpy and more). It is used only to render response_format schemas of requests, which the
+    simulator tests never send, so a stub `sglang.utils` is in sys.modules only while the file executes.
+    """
+    stubs = {}
+    if "sglang" not in sys.modules:
+        pkg = types.ModuleType("sglang")
+        pkg.__path__ = []
+        utils = types.ModuleType("sglang.utils")
+        utils.convert_json_schema_to_str = lambda schema: schema if isinstance(schema, str) else json.dumps(schema)
+        stubs = {"sglang": pkg, "sglang.utils": utils}
+        sys.modules.update(stubs)
+    try:
+        return _load_by_path("sglang_protocol_0_5_23", SGLANG_DIR / "srt/entrypoints/openai/protocol.py")
+    finally:
+        for key in stubs:
+            sys.modules.pop(key, None)
+
+
+def load_sglang_sse_utils() -> types.ModuleType:
+    """sglang/srt/entrypoints/openai/sse_utils.py (msgspec only): how SGLang renders chat content chunks."""
+    return _load_by_path("sglang_sse_utils_0_5_23", SGLANG_DIR / "srt/entrypoints/openai/sse_utils.py")
+
+
+@pytest.fixture(scope="session")
+def sglang_protocol() -> types.ModuleType:
+    """SGLang 0.5.23's own pydantic protocol models (ChatCompletionResponse, ErrorResponse, ...)."""
+    return load_sglang_protocol()
+
+
+@pytest.fixture(scope="session")
+def sglang_sse_utils() -> types.ModuleType:
+    return load_sglang_sse_utils()
 
 
 @pytest.fixture

@@ -104,11 +104,15 @@ def build_request(
     n = natural if eos_first else limit
     # the last token of an EOS ending is the EOS token itself: counted, not shown
     n_text = n - 1 if eos_first else n
-    words = rng.choices(_WORDS, k=n_text)
-    punct = rng.random
+    # token by token from one stream, so a longer output starts with the shorter one's text
     tokens = []
-    for i, w in enumerate(words):
-        tokens.append(_PUNCT[i % len(_PUNCT)] if punct() < 0.06 else (w if i == 0 else " " + w))
+    for i in range(n_text):
+        r = rng.random()
+        if r < 0.06:
+            tokens.append(_PUNCT[int(r / 0.06 * len(_PUNCT))])
+        else:
+            w = _WORDS[rng.randrange(len(_WORDS))]
+            tokens.append(w if i == 0 else " " + w)
     finish_reason, matched = ("stop", profile.eos_token_id) if eos_first else ("length", None)
     text = "".join(tokens)
     hit = _first_stop(text, stop)
@@ -217,7 +221,9 @@ class Engine:
             self.abort(req)
 
     def submit(self, req: SimRequest) -> None:
-        if self.max_queued is not None and len(self.waiting) >= self.max_queued:
+        # count only the requests that will have to wait: ones a free slot takes at the next step do not
+        must_wait = len(self.running) + len(self.waiting) + 1 - self.max_running
+        if self.max_queued is not None and must_wait > self.max_queued:
             raise QueueFull("The request queue is full.")
         req.state = "waiting"
         req.arrival = time.monotonic()
