@@ -12,6 +12,7 @@ from bench.sweep import (
     add_load_args,
     config_from_args,
     parser,
+    positive,
     run_async,
     run_sweep,
     write_outputs,
@@ -57,10 +58,24 @@ class Curve:
         return self.e2e[-1] * c / self.levels[-1]
 
 
-def spillover(spec: Curve, base: Curve, threshold: int, c: int) -> tuple[float, float]:
+@dataclass
+class Fleet:
+    """`n` instances of one measured server; the router's least-in-flight choice spreads load evenly."""
+
+    curve: Curve
+    n: int = 1
+
+    def throughput(self, c: float) -> float:
+        return self.n * self.curve.throughput(c / self.n)
+
+    def latency(self, c: float) -> float:
+        return self.curve.latency(c / self.n)
+
+
+def spillover(spec, base, threshold: int, c: int, n_spec: int = 1) -> tuple[float, float]:
     """Expected (tok/s, median E2E ms) at `c` concurrent requests: in a closed loop spillover keeps
-    min(c, threshold) in flight on the speculative server and the rest on the baseline."""
-    cs = min(c, threshold)
+    min(c, threshold x instances) in flight on the speculative pool and the rest on the baseline."""
+    cs = min(c, threshold * n_spec)
     cb = c - cs
     tput = spec.throughput(cs) + base.throughput(cb)
     return tput, _mixed_median(spec, cs, base, cb)
@@ -79,13 +94,13 @@ def _mixed_median(spec: Curve, cs: float, base: Curve, cb: float) -> float:
     return groups[0][0] if share > 0.5 else groups[1][0]
 
 
-def round_robin(spec: Curve, base: Curve, c: int) -> tuple[float, float]:
-    """Expected figures of alternating requests in a closed loop: both pools complete requests at the
-    same rate, so the slower pool accumulates more of the in-flight requests (bisection on its share)."""
+def round_robin(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[float, float]:
+    """Expected figures of requests dealt in turn to every backend in a closed loop: each backend
+    completes requests at the same rate, so the slower pool accumulates more of the in-flight ones."""
     lo, hi = 0.0, float(c)
     for _ in range(60):
         cs = (lo + hi) / 2
-        if spec.throughput(cs) < base.throughput(c - cs):
+        if spec.throughput(cs) / n_spec < base.throughput(c - cs) / n_base:
             lo = cs
         else:
             hi = cs
@@ -103,11 +118,14 @@ class Recommendation:
     notes: list[str]
 
 
-def recommend(spec: Curve, base: Curve, levels: list[int], objective: str = "throughput") -> Recommendation:
-    """The threshold that maximises, averaged over `levels` with each level weighted alike, the
-    fraction of the best achievable combined throughput (or of the lowest median latency)."""
-    candidates = range(0, max(levels) + 1)
-    pred = {t: {c: spillover(spec, base, t, c) for c in levels} for t in candidates}
+def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective: str = "throughput",
+              n_spec: int = 1, n_base: int = 1) -> Recommendation:
+    """The threshold (per speculative instance) that maximises, averaged over `levels` with each level
+    weighted alike, the fraction of the best achievable combined throughput (or lowest median latency).
+    `levels` are client concurrencies against the whole deployment of n_spec + n_base instances."""
+    spec, base = Fleet(spec_curve, n_spec), Fleet(base_curve, n_base)
+    candidates = range(0, max(levels) // n_spec + 2)
+    pred = {t: {c: spillover(spec, base, t, c, n_spec) for c in levels} for t in candidates}
     idx = 0 if objective == "throughput" else 1
     if objective == "throughput":
         best = {c: max(pred[t][c][0] for t in candidates) for c in levels}
@@ -125,7 +143,7 @@ def recommend(spec: Curve, base: Curve, levels: list[int], objective: str = "thr
         best_per_level[c] = min(t for t in candidates if abs(vals[t] - goal) <= 1e-9 * max(1.0, abs(goal)))
     expected = {}
     for c in levels:
-        rr = round_robin(spec, base, c)
+        rr = round_robin(spec, base, c, n_spec, n_base)
         expected[c] = {
             "spillover": pred[threshold][c][0], "spillover_median_e2e_ms": pred[threshold][c][1],
             "best_threshold_here": best_per_level[c],
@@ -134,7 +152,8 @@ def recommend(spec: Curve, base: Curve, levels: list[int], objective: str = "thr
             "all-speculative": spec.throughput(c), "all-speculative_median_e2e_ms": spec.latency(c),
             "round-robin": rr[0], "round-robin_median_e2e_ms": rr[1],
         }
-    return Recommendation(threshold, objective, scores, best_per_level, expected, diagnose(spec, base))
+    return Recommendation(threshold, objective, scores, best_per_level, expected,
+                          diagnose(spec_curve, base_curve))
 
 
 def diagnose(spec: Curve, base: Curve) -> list[str]:
@@ -184,7 +203,7 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
     what = "of the best throughput" if rec.objective == "throughput" else "of the lowest median latency"
     out.append(f"score = mean over levels of the fraction {what} achievable there: "
                + ", ".join(f"T={t} {s:.3f}" for t, s in ranked)
-               + f"; T=0 (all baseline) {rec.scores[0]:.3f}, T={max(levels)} {rec.scores[max(levels)]:.3f}")
+               + f"; T=0 (all baseline) {rec.scores[0]:.3f}, T={max(rec.scores)} {rec.scores[max(rec.scores)]:.3f}")
     return "\n".join(out)
 
 
@@ -208,6 +227,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", required=True, metavar="URL", help="one baseline server")
     p.add_argument("--objective", choices=OBJECTIVES, default="throughput",
                    help="maximise combined throughput (default) or minimise median per-request latency")
+    p.add_argument("--speculative-instances", type=positive(int), default=1,
+                   help="speculative servers the router will front (each like the one measured)")
+    p.add_argument("--baseline-instances", type=positive(int), default=1,
+                   help="baseline servers the router will front (each like the one measured)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--name", default="calibrate")
     add_load_args(p)
@@ -229,7 +252,10 @@ def main(argv: list[str]) -> int:
         print(f"bench calibrate: {exc}", file=sys.stderr)
         return 2
     levels = sorted(set(spec.levels) & set(base.levels))
-    rec = recommend(spec, base, levels, ns.objective)
+    rec = recommend(spec, base, levels, ns.objective, ns.speculative_instances, ns.baseline_instances)
+    if ns.speculative_instances > 1 or ns.baseline_instances > 1:
+        print(f"modelled deployment: {ns.speculative_instances} speculative + {ns.baseline_instances} baseline "
+              "instances; concurrency levels are clients against the whole deployment")
     print(render(rec, spec, base, levels))
     paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench calibrate: each pool alone",
                           plot=not ns.no_plot, extra={"recommendation": rec_json(rec)})

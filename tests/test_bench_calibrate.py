@@ -97,3 +97,13 @@ def test_winners_and_verdict():
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     assert rows[1]["status"] == "BELOW" and "1 of the 2 in-flight requests" in lines[1]
     assert rows[1]["expected_spillover"] == pytest.approx(18.0)
+
+
+def test_several_instances_share_load_evenly():
+    # 2 speculative instances at threshold 1 each: c=2 puts one request on each -> 2 * S(1) = 20
+    assert calibrate.spillover(calibrate.Fleet(SPEC, 2), calibrate.Fleet(BASE, 1), 1, 2, n_spec=2)[0] \
+        == pytest.approx(20.0)
+    assert calibrate.Fleet(BASE, 2).throughput(2) == pytest.approx(16.0)  # 2 x B(1)
+    rec = calibrate.recommend(SPEC, BASE, [2, 4], n_spec=2, n_base=2)
+    # c=4 with T=1 per instance: 2 x S(1) + 2 x B(1) = 36, the best split
+    assert rec.threshold == 1 and rec.expected[4]["spillover"] == pytest.approx(36.0)
