@@ -208,3 +208,27 @@ def test_load_estimate_counts_requests_sent_since_the_report():
     assert b.load_estimate == 0
     assert parse_loads({"loads": [{"num_running_reqs": 1}, {"num_running_reqs": 2, "num_waiting_reqs": 3}]}) == 6
     assert parse_loads({"loads": "x"}) is None and parse_loads([]) is None
+
+
+async def test_one_slow_probe_does_not_eject_a_busy_backend(sim_factory, router_factory):
+    spec = await sim_factory("eagle3-tp8")
+    router = await router_factory([spec.url], [], health_timeout=0.3, health_failure_threshold=3)
+    backend = router.state.pools.backends[0]
+    await set_faults(spec.url, health_delay=1.0)  # probes now time out
+    seen_down = False
+
+    def failed_once() -> bool:
+        nonlocal seen_down
+        seen_down |= not backend.healthy
+        return router.metric("router_health_probes_total", backend=spec.url, result="failed") >= 1
+
+    assert await poll(failed_once, 5, every=0.01)
+    async with aiohttp.ClientSession() as s:
+        async with s.delete(spec.url + "/_sim/faults") as r:
+            assert r.status == 200
+        async with s.post(router.url + "/v1/chat/completions", json=CHAT_BODY) as r:
+            assert r.status == 200
+    assert not seen_down and backend.healthy
+    # Failures in a row past the threshold do eject it.
+    await set_faults(spec.url, health_delay=1.0)
+    assert await poll(lambda: not backend.healthy, 5)
