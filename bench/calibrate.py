@@ -231,7 +231,7 @@ def main(argv: list[str]) -> int:
                    help="speculative servers the router will front (each like the one measured)")
     p.add_argument("--baseline-instances", type=positive(int), default=1,
                    help="baseline servers the router will front (each like the one measured)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default="calibrate")
     add_load_args(p)
     try:

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threshold", type=int, default=None,
                    help="spillover threshold to test (default: calibrated from the all-* runs)")
     p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default=None, help="output file stem (default compare-SPEC-BASE)")
     add_load_args(p)
     p.set_defaults(speedup=None)

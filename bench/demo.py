@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=positive(int), default=128)
     p.add_argument("--speedup", type=positive(float), default=10.0)
-    p.add_argument("--out", type=Path, default=Path("bench/results/demo"))
+    p.add_argument("--out", type=Path, default=Path("bench-out/demo"))
     try:
         ns = p.parse_args(argv)
         if ns.threshold < 0:

@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--request-rate", type=float_list, default=None,
                    help="open-loop Poisson arrivals at these rates (req/s, comma-separated) instead of "
                         "closed-loop concurrency levels")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default="sweep", help="file stem of the outputs (default sweep)")
     add_load_args(p)
     try:
