@@ -94,3 +94,15 @@ def test_cli_help_documents_every_setting():
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in res.stdout
     assert _cli("--help").returncode == 0
+
+
+def test_cli_port_in_use_is_one_line_exit_2():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        res = _cli("serve", "--speculative", "http://127.0.0.1:1", "--port", str(s.getsockname()[1]))
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "cannot listen on 127.0.0.1" in res.stderr
+    assert res.stdout == ""
