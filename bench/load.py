@@ -45,6 +45,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     usage_reported: bool = False
     error: str | None = None  # None = success
+    done: bool = False  # the stream ended with `data: [DONE]` (an in-band error is explicit only then)
 
     @property
     def ok(self) -> bool:
@@ -219,6 +220,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
     except (aiohttp.ClientError, ConnectionError) as exc:
         rec.error = f"connection error: {type(exc).__name__}: {exc}"[:200]
     rec.end = clock()
+    rec.done = saw_done
     if rec.error is None and not saw_done:
         rec.error = "stream ended without [DONE]"
     if usage is not None:

@@ -1,6 +1,7 @@
 """build_app(settings, registry) -> web.Application: state, routes and lifecycle; plus the runner both CLI and tests use."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -39,6 +40,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     app.router.add_get("/ready", proxy.ready)
     if settings.metrics_port is None:
         app.router.add_get("/metrics", proxy.metrics_handler(st))
+    app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_health_ctx)
     if settings.load_signal == "backend":
@@ -51,6 +53,16 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
 def _handler_args(settings: Settings) -> dict:
     return {"max_line_size": settings.max_header_bytes, "max_field_size": settings.max_header_bytes,
             "max_headers": settings.max_headers}
+
+
+async def _drain_deadline(app: web.Application) -> None:
+    # on_shutdown runs when the listener has closed, before aiohttp waits drain_timeout for the handlers.
+    # At the deadline, whatever is still open gets an explicit error rather than a cut connection. A little
+    # before aiohttp's own deadline: a handler ending exactly at it trips an aiohttp race (InvalidStateError),
+    # and drain_timeout 0 would mean "wait for ever" to aiohttp.
+    st = app[STATE]
+    drain = st.settings.drain_timeout
+    asyncio.get_running_loop().call_later(max(0.0, drain - min(0.5, drain / 4)), proxy.cut_all, st)
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:

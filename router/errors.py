@@ -51,6 +51,10 @@ class NoHealthyBackend(RouterError):
     status, type, code = 503, "service_unavailable", "no_healthy_backend"
 
 
+class ShuttingDown(RouterError):
+    status, type, code = 503, "service_unavailable", "router_shutting_down"
+
+
 class UpstreamError(RouterError):
     """A backend failed at transport level; `kind` is a closed set used as a metric label."""
 

@@ -18,6 +18,7 @@ from router.errors import (
     NoHealthyBackend,
     PayloadTooLarge,
     RouterError,
+    ShuttingDown,
     Unauthorized,
     UpstreamConnectError,
     UpstreamError,
@@ -170,6 +171,20 @@ class Exchange:
         self.t0 = time.monotonic()
         self.usage = Usage()
         self.upstream: aiohttp.ClientResponse | None = None
+        self.task = asyncio.current_task()
+        self.cut = False  # set when the drain ended before this exchange did
+        self.delivered = False  # [DONE] went out: a client leaving after it got the whole answer
+        st.exchanges.add(self)
+
+    def cut_now(self) -> None:
+        """The drain is over: stop this exchange so it can answer with an explicit error."""
+        if not self.cut and self.task is not None and not self.task.done():
+            self.cut = True
+            self.task.cancel()
+
+    def absorb_cut(self) -> bool:
+        """True when the CancelledError being handled is cut_now()'s alone (then it is taken back)."""
+        return self.cut and self.task is not None and self.task.uncancel() == 0
 
     @property
     def pool(self) -> str:
@@ -254,6 +269,7 @@ class Exchange:
                         m.itl_by_pool[self.pool].observe(now - last)
                     last = now
                     await out.write(events)
+                    self.delivered = events.rstrip().endswith(b"data: [DONE]")
                 try:
                     async with asyncio.timeout(idle):
                         chunk = await resp.content.readany()
@@ -268,14 +284,24 @@ class Exchange:
                 await out.write(scan_usage(buf, self.usage, strip))
             await out.write_eof()
         except ConnectionError:
-            self.code = CLIENT_CLOSED  # the client went away while we wrote to it
+            if not self.delivered:
+                self.code = CLIENT_CLOSED  # the client went away while we wrote to it
         except asyncio.CancelledError:
-            self.code = CLIENT_CLOSED
-            raise
+            if not self.absorb_cut():
+                if not self.delivered:
+                    self.code = CLIENT_CLOSED
+                raise
+            try:
+                # Shutdown, not a backend failure: end the stream the way every other error mid-stream ends.
+                await out.write(sse_error_event(ShuttingDown("the router is shutting down; retry the request")))
+                await out.write_eof()
+            except ConnectionError:
+                self.code = CLIENT_CLOSED
         return out
 
     def finish(self) -> None:
         """Runs exactly once, in `finally`: release the lease, close upstream, record the outcome."""
+        self.st.exchanges.discard(self)
         self.lease.release()
         if self.upstream is not None:
             # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
@@ -334,8 +360,20 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     except RouterError as err:
         ex.code = str(err.status)
         return error_response(err, ex.headers())
+    except asyncio.CancelledError:
+        if not ex.absorb_cut():
+            raise
+        err = ShuttingDown("the router is shutting down; retry the request")
+        ex.code = str(err.status)
+        return error_response(err, ex.headers())
     finally:
         ex.finish()
+
+
+def cut_all(st: RouterState) -> None:
+    """Called when the drain time is up: every exchange still open ends with an explicit 503 / SSE error."""
+    for ex in list(st.exchanges):
+        ex.cut_now()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -124,8 +124,9 @@ async def test_shutdown_cuts_streams_after_drain_and_aborts_them(sim_factory, ro
         assert router.inflight() == {spec.url: 3}
         await router.close()
         for r in resps:
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await r.read()  # cut, never hung
+            events = sse_events(await r.read())  # ended explicitly at the drain deadline, never hung
+            assert json.loads(events[-2][6:])["error"]["code"] == "router_shutting_down"
+            assert events[-1] == b"data: [DONE]"
     assert router.inflight() == {spec.url: 0}
     assert await wait_stat(spec.url, "aborted_total", 3, within=3) == 3
 
