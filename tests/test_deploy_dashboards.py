@@ -203,3 +203,11 @@ def test_dashboard_provider_loads_the_mounted_directory() -> None:
     mounts = dict(str(v).split(":")[:2] for v in compose["volumes"])
     assert mounts["./deploy/grafana/dashboards"] == prov["options"]["path"]
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+def test_every_panel_is_described_in_the_docs() -> None:
+    docs = " ".join(p.read_text() for p in (ROOT / "docs" / "DEPLOY.md", ROOT / "README.md") if p.is_file())
+    docs = re.sub(r"\s+", " ", docs)
+    undocumented = [f"{path.name}: {p['title']}" for path in DASHBOARDS for p in data_panels(load(path))
+                    if f"*{p['title']}*" not in docs]
+    assert not undocumented, f"panels without a description in docs/DEPLOY.md or README.md: {undocumented}"
