@@ -176,6 +176,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
                     except ValueError:
                         msg = text.strip()[:200] or resp.reason or ""
                     rec.error = f"HTTP {resp.status}: {msg}"
+                    rec.end = clock()
                     return rec
                 buf = b""
                 # iter_any: one read may hold many SSE events; they all arrived at the same instant.
