@@ -161,9 +161,26 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
                                    "decode_q_ms": round(best.decode_q_ms, 8)})
 
 
+def step_points(rows, prof: Profile, max_tokens: int, prompt_tokens: float) -> list[tuple[int, float]]:
+    """The decode step (ms) each measured row implies at its batch size; rows sharing a batch size averaged."""
+    length = prof.accept_length_general if prof.speculative else 1.0
+    steps = 1 + expected_steps(max_tokens - 1, length, prof.speculative_num_steps)
+    by_n: dict[int, list[float]] = {}
+    for c, thr in rows:
+        n = min(c, prof.max_running_requests)
+        cycle_ms = n * max_tokens / thr * 1000.0
+        by_n.setdefault(n, []).append((cycle_ms - n * prof.prefill_ms(int(round(prompt_tokens)))) / steps)
+    return [(n, round(sum(v) / len(v), 4)) for n, v in sorted(by_n.items())]
+
+
 def fit(rows: list[tuple[int, float]], base: Profile, *, max_tokens: int, prompt_tokens: float,
-        cap: int | None = None) -> tuple[Profile, list[tuple[int, float, float]]]:
-    """The profile with the smallest worst relative error, and its (concurrency, measured, predicted) rows."""
+        cap: int | None = None, shape: str = "line") -> tuple[Profile, list[tuple[int, float, float]]]:
+    """The profile with the smallest worst relative error, and its (concurrency, measured, predicted) rows.
+
+    shape "line": a + b*n (+ q*n^2) and the best cap. shape "points": that cap, then the step at every
+    measured batch size, interpolated between them (reproduces each row; keeps the line for reference).
+    """
+    base = base.model_copy(update={"step_points_ms": None})
     caps = [cap] if cap else ([EAGLE_DEFAULT_MAX_RUNNING] if base.speculative else list(CAP_CANDIDATES))
     best = None
     for c in caps:
@@ -180,6 +197,11 @@ def fit(rows: list[tuple[int, float]], base: Profile, *, max_tokens: int, prompt
     if best is None:
         raise FitError("no positive step model fits this table (check the column and --max-tokens)")
     prof = best[1]
+    if shape == "points":
+        pts = step_points(rows, prof, max_tokens, prompt_tokens)
+        if len(pts) < 2 or any(ms <= 0 for _, ms in pts):
+            raise FitError("the table implies a non-positive step time; check --max-tokens and --prompt-tokens")
+        prof = prof.model_copy(update={"step_points_ms": pts})
     return prof, [(c, v, predict(prof, c, max_tokens, prompt_tokens)) for c, v in rows]
 
 
@@ -209,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-base-ms", type=float, help="fixed cost of a prefill (not identifiable from "
                                                          "throughput alone; default: the base profile's)")
     p.add_argument("--prefill-ms-per-token", type=float, help="prefill cost per prompt token (ms)")
+    p.add_argument("--shape", choices=["line", "points"], default="line",
+                   help="line: a + b*n [+ q*n^2] (default); points: also keep the step each row implies and "
+                        "interpolate between them, so the model reproduces every measured row")
     p.add_argument("--tp", type=int, help="tensor-parallel size to report")
     p.add_argument("--description", default=None)
     return p
@@ -223,6 +248,8 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"wrote {args.out}: a={profile.decode_a_ms} ms, b={profile.decode_b_ms} ms/req, "
           f"q={profile.decode_q_ms} ms/req^2, max_running_requests={profile.max_running_requests}")
+    if profile.step_points_ms:
+        print("step points (n, ms): " + ", ".join(f"({n}, {ms:g})" for n, ms in profile.step_points_ms))
     print("concurrency  measured  model  error")
     for c, v, p in pred:
         print(f"{c:>11}  {v:>8.1f}  {p:>5.1f}  {100 * (p / v - 1):+5.1f}%")
@@ -258,7 +285,11 @@ def run(args: argparse.Namespace) -> tuple[Profile, list[tuple[int, float, float
         raise FitError(str(exc).splitlines()[-1].strip() or str(exc)) from None
     rows = read_table(args.csv, args.column)
     profile, pred = fit(rows, base, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
-                        cap=args.max_running_requests)
+                        cap=args.max_running_requests, shape=args.shape)
+    try:
+        profile = Profile.model_validate(profile.model_dump())
+    except ValueError as exc:
+        raise FitError(f"fitted profile is not usable: {str(exc).splitlines()[-1].strip()}") from None
     data = profile.model_dump(mode="json")
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)

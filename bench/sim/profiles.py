@@ -28,6 +28,8 @@ class Profile(BaseModel):
     decode_a_ms: float = Field(gt=0)
     decode_b_ms: float = Field(ge=0)
     decode_q_ms: float = 0.0  # may be negative (a concave curve) as long as the step keeps growing
+    # optional measured shape: [[n, ms], ...]; when set, steps interpolate these points instead of a+b*n+q*n^2
+    step_points_ms: list[tuple[int, float]] | None = None
     # prefill added to the step that admits new requests: p0 + p1 * new prompt tokens (ms)
     prefill_base_ms: float = Field(default=0.0, ge=0)
     prefill_ms_per_token: float = Field(default=0.0, ge=0)
@@ -56,8 +58,14 @@ class Profile(BaseModel):
                 value = getattr(self, f"accept_length_{kind}")
                 if value > cap:
                     raise ValueError(f"accept_length_{kind}={value} exceeds num_steps+1={cap}")
+        pts = self.step_points_ms
+        if pts is not None:
+            if len(pts) < 2 or any(n2 <= n1 for (n1, _), (n2, _) in zip(pts, pts[1:], strict=False)):
+                raise ValueError("step_points_ms needs 2+ points with increasing n")
+            if any(ms <= 0 for _, ms in pts):
+                raise ValueError("step_points_ms must be positive")
         cap = self.max_running_requests
-        if self.decode_b_ms + 2 * self.decode_q_ms * cap < 0 or self.step_ms(cap) <= 0:
+        if pts is None and self.decode_b_ms + 2 * self.decode_q_ms * cap < 0 or self.step_ms(cap) <= 0:
             raise ValueError("decode step must stay positive and non-decreasing up to max_running_requests")
         lo, hi = self.natural_output_tokens
         if not 1 <= lo <= hi:
@@ -71,6 +79,8 @@ class Profile(BaseModel):
 
     def step_ms(self, n: int) -> float:
         """Duration of one decode step with n running requests (straight on past the profile's cap)."""
+        if self.step_points_ms is not None:
+            return _interpolate(self.step_points_ms, n)
         a, b, q, cap = self.decode_a_ms, self.decode_b_ms, self.decode_q_ms, self.max_running_requests
         if n <= cap or q >= 0:
             return a + b * n + q * n * n
@@ -78,6 +88,15 @@ class Profile(BaseModel):
 
     def prefill_ms(self, new_tokens: int) -> float:
         return self.prefill_base_ms + self.prefill_ms_per_token * new_tokens if new_tokens else 0.0
+
+
+def _interpolate(points: list[tuple[int, float]], n: float) -> float:
+    """Piecewise-linear through the points; the end segments carry on straight outside them."""
+    i = 1
+    while i < len(points) - 1 and n > points[i][0]:
+        i += 1
+    (n1, y1), (n2, y2) = points[i - 1], points[i]
+    return max(y1 + (y2 - y1) * (n - n1) / (n2 - n1), 0.01)
 
 
 def builtin_names() -> list[str]:
