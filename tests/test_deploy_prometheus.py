@@ -261,6 +261,7 @@ async def test_every_dashboard_query_returns_data(sim_factory, router_factory, t
             pytest.fail(f"prometheus targets not up: {await prom.get('/api/v1/targets')}")
 
         counts = await drive_load(router.url, spec.url, base.url, router)
+        print(f"load through the router: {dict(counts)}")
         assert counts["ok"] > 20 and counts[500] > 0 and counts["disconnected"] > 0, counts
         assert await router.wait_idle() == dict.fromkeys(router.inflight(), 0)
         await asyncio.sleep(2.5)  # a few more scrapes: the idle state and the last counter values
