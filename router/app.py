@@ -51,8 +51,10 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
 
 
 def _handler_args(settings: Settings) -> dict:
+    # keepalive_timeout also bounds a connection that never completes its request line or headers
+    # (aiohttp's default is an hour: a slow-loris client could hold file descriptors that long).
     return {"max_line_size": settings.max_header_bytes, "max_field_size": settings.max_header_bytes,
-            "max_headers": settings.max_headers}
+            "max_headers": settings.max_headers, "keepalive_timeout": settings.client_timeout}
 
 
 async def _drain_deadline(app: web.Application) -> None:
@@ -121,7 +123,7 @@ async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
                            shutdown_timeout=st.settings.drain_timeout)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=2048)
+        site = web.TCPSite(runner, host, port, backlog=4096)  # the kernel caps it at somaxconn
         await site.start()
     except BaseException:
         await runner.cleanup()

@@ -43,6 +43,10 @@ class MethodNotAllowed(RouterError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class RequestTimeout(RouterError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
@@ -84,8 +88,12 @@ class UpstreamTimeout(UpstreamError):
 
 
 def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=err.status, text=json.dumps(err.body()), content_type="application/json",
+    resp = web.Response(status=err.status, text=json.dumps(err.body()), content_type="application/json",
                         headers=headers)
+    if err.status in (408, 413):
+        # The rest of the body may never come (408) or is not wanted (413): close rather than wait for it.
+        resp.force_close()
+    return resp
 
 
 def sse_error_event(err: RouterError) -> bytes:

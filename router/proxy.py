@@ -17,6 +17,7 @@ from router.errors import (
     BadRequest,
     NoHealthyBackend,
     PayloadTooLarge,
+    RequestTimeout,
     RouterError,
     ShuttingDown,
     Unauthorized,
@@ -60,18 +61,24 @@ async def auth_middleware(request: web.Request,
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         # compare_digest: the time taken does not depend on how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.api_key):
+        # surrogatepass: header bytes that are not UTF-8 still encode (one-to-one), so they get a 401, not a 500.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"),
+                                                                 st.api_key):
             raise Unauthorized("missing or invalid API key; send Authorization: Bearer KEY")
     return await handler(request)
 
 
-async def read_json_body(request: web.Request, limit: int) -> tuple[bytes, dict]:
+async def read_json_body(request: web.Request, limit: int, within: float | None = None) -> tuple[bytes, dict]:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the {limit}-byte limit")
     try:
-        body = await request.read()
+        # Bounded: a client that stops sending its body must not hold a handler for ever.
+        async with asyncio.timeout(within):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"request body is over the {limit}-byte limit") from None
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {within:g} s") from None
     if not body:
         raise BadRequest("request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -323,7 +330,7 @@ class Exchange:
 async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     st = request.app[STATE]
     pinned = pinned_pool(request)
-    body, obj = await read_json_body(request, st.settings.max_body_bytes)
+    body, obj = await read_json_body(request, st.settings.max_body_bytes, st.settings.client_timeout)
     stream = obj.get("stream") is True
     opts = obj.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True

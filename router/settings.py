@@ -87,6 +87,8 @@ class Settings(BaseSettings):
     health_success_threshold: int = Field(2, ge=1, description="good probes in a row that mark it up again")
 
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may finish")
+    client_timeout: float = Field(60.0, gt=0, description="seconds a client may take to send its request "
+                                  "(408 above); an idle client connection is closed after it too")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest request body accepted (413 above)")
     max_header_bytes: int = Field(8190, ge=256, description="largest request line / header field")
     max_headers: int = Field(100, ge=8, description="most request headers accepted")

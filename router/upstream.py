@@ -26,7 +26,9 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
 def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
     """Translate a transport exception into the router's hierarchy; the only place that does so."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
+        err = UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
+        err.retryable = True  # the request never left: another backend may take it
+        return err
     if isinstance(exc, TimeoutError):
         what = "first byte" if phase != IDLE else "next chunk"
         return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
