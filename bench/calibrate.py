@@ -124,7 +124,7 @@ def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective
     weighted alike, the fraction of the best achievable combined throughput (or lowest median latency).
     `levels` are client concurrencies against the whole deployment of n_spec + n_base instances."""
     spec, base = Fleet(spec_curve, n_spec), Fleet(base_curve, n_base)
-    candidates = range(0, max(levels) // n_spec + 2)
+    candidates = range(0, -(-max(levels) // n_spec) + 1)
     pred = {t: {c: spillover(spec, base, t, c, n_spec) for c in levels} for t in candidates}
     idx = 0 if objective == "throughput" else 1
     if objective == "throughput":

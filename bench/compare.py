@@ -3,6 +3,7 @@ all-speculative, spillover at the calibrated threshold and round-robin; winner p
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -80,8 +81,9 @@ def explain(c: int, threshold: int, best: str, rec, spec, base) -> str:
     here = rec.best_per_level.get(c)
     why = (f"with threshold {threshold}, {k} of the {c} in-flight requests run on the speculative server; "
            f"the pool curves give {spec.throughput(k):.1f} tok/s there where the baseline would give "
-           f"{base.throughput(k):.1f} for the same {k} (plus {base.throughput(c - k):.1f} from the baseline's "
-           f"{c - k})")
+           f"{base.throughput(k):.1f} for the same {k}")
+    if c > k:
+        why += f" (plus {base.throughput(c - k):.1f} from the baseline's {c - k})"
     if here is not None and here != threshold:
         why += (f"; threshold {here} would win at this level alone, but its score over all levels is "
                 f"{rec.scores[here]:.3f} against {rec.scores[threshold]:.3f} for {threshold}")
@@ -103,10 +105,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default=None, help="output file stem (default compare-SPEC-BASE)")
+    p.add_argument("--from-json", type=Path, metavar="FILE",
+                   help="re-render the reports (.txt, .md) of a saved compare JSON; runs nothing")
     add_load_args(p)
     p.set_defaults(speedup=None)
     try:
         ns = p.parse_args(argv)
+        if ns.from_json is not None:
+            return _rerender(ns.from_json)
         if (ns.speculative is None) != (ns.baseline is None):
             raise ArgError("give both --speculative and --baseline URLs, or neither (simulators)")
         if ns.threshold is not None and ns.threshold < 0:
@@ -128,6 +134,19 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("bench compare: interrupted", file=sys.stderr)
         return 130
+
+
+def _rerender(path: Path) -> int:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        text, md, _ = report(data)
+    except (OSError, ValueError, KeyError, TypeError, BenchInputError) as exc:
+        print(f"bench compare: cannot re-render {path}: {type(exc).__name__} {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    path.with_suffix(".md").write_text(md, encoding="utf-8")
+    path.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
+    return 0
 
 
 def _cfg(ns, targets) -> SweepConfig:
@@ -173,50 +192,84 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
                ("round-robin", router("round-robin", True, True))]
     mixed = run_async(run_sweep(_cfg(ns, targets)))
     results = {n: (mixed | single)[n] for n in CONFIGS}
-    win = winners(results)
-    lines, rows = verdict(results, rec, threshold, spec_curve, base_curve)
-
-    title = (f"bench compare: {ns.speculative_profile if not external else spec_url} vs "
-             f"{ns.baseline_profile if not external else base_url}, spillover threshold {threshold}")
-    print(title)
-    print(figures.render_table(results))
-    print()
-    print("winners per level (throughput / median E2E latency):")
-    for w in win:
-        print(f"  c={w['concurrency']}: {w['throughput_winner']} / {w['latency_winner']}")
-    print()
-    print(f"verdict: spillover@{threshold} against the best other configuration (noise band {NOISE:.0%}):")
-    for line in lines:
-        print("  " + line)
-    if rec is not None:
-        print("calibrate's expected spillover vs measured: " + ", ".join(
-            f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
-            for r in rows if "expected_spillover" in r))
     cfg = _cfg(ns, []).as_dict() | {
         "speculative": spec_url if external else ns.speculative_profile,
         "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
-        "objective": ns.objective}
+        "objective": ns.objective, "command": cmd}
     # Other work on the host skews a closed-loop run; record how busy it was for whoever reads the results.
     host = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
             "wall_seconds": round(time.time() - t_start, 1)}
-    extra = {"host": host, "winners": win, "verdict": rows, "verdict_text": lines,
-             "calibration": calibrate.rec_json(rec) if rec else None}
-    paths = write_outputs(ns.out, name, cfg, results, title=title, plot=not ns.no_plot, extra=extra)
-    md = ns.out / f"{name}.md"
-    md.write_text(_markdown(title, results, win, lines, rec, cmd), encoding="utf-8")
-    print("wrote " + ", ".join(str(x) for x in [*paths, md]))
+    data = {"config": cfg, "results": results, "host": host, "calibrated": rec is not None}
+    text, md, extra = report(data)
+    print(text)
+    paths = write_outputs(ns.out, name, cfg, results, title=extra["title"], plot=not ns.no_plot,
+                          extra={k: v for k, v in (data | extra).items() if k not in ("config", "results")})
+    (ns.out / f"{name}.md").write_text(md, encoding="utf-8")
+    (ns.out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+    print("wrote " + ", ".join(str(x) for x in [*paths, ns.out / f"{name}.md", ns.out / f"{name}.txt"]))
     return 0
 
 
-def _markdown(title, results, win, lines, rec, cmd) -> str:
+def report(data: dict) -> tuple[str, str, dict]:
+    """Text and markdown reports of one compare run from its JSON-able data (so a saved run can be
+    re-rendered with --from-json): calibration evidence, tables, winners, verdict."""
+    cfg, results = data["config"], data["results"]
+    threshold = cfg["threshold"]
+    rec = spec_curve = base_curve = None
+    calib = ""
+    if data.get("calibrated", True) and data.get("calibration", True) is not None:
+        spec_curve = calibrate.Curve.from_figs(results["all-speculative"])
+        base_curve = calibrate.Curve.from_figs(results["all-baseline"])
+        levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
+        rec = calibrate.recommend(spec_curve, base_curve, levels, cfg.get("objective", "throughput"))
+        calib = calibrate.render(rec, spec_curve, base_curve, levels)
+    win = winners(results)
+    lines, rows = verdict(results, rec, threshold, spec_curve, base_curve)
+    title = f"bench compare: {cfg['speculative']} vs {cfg['baseline']}, spillover threshold {threshold}"
+    text = [title, ""]
+    if calib:
+        text += ["calibration from the all-speculative and all-baseline runs:", calib, ""]
+    text += [figures.render_table(results), "", "winners per level (throughput / median E2E latency):"]
+    text += [f"  c={w['concurrency']}: {w['throughput_winner']} / {w['latency_winner']}" for w in win]
+    text += ["", f"verdict: spillover@{threshold} against the best other configuration "
+                 f"(noise band {NOISE:.0%}):"]
+    text += ["  " + line for line in lines]
+    if rec is not None:
+        text.append("calibrate's expected spillover vs measured (tok/s): " + ", ".join(
+            f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
+            for r in rows if "expected_spillover" in r))
+    host = data.get("host")
+    if host:
+        text.append(f"host: {host['cpus']} CPUs, load average {host['loadavg_at_start'][0]:.1f} at start, "
+                    f"{host['loadavg_at_end'][0]:.1f} at end, {host['wall_seconds']:.0f} s wall")
+    extra = {"title": title, "winners": win, "verdict": rows, "verdict_text": lines,
+             "calibration": calibrate.rec_json(rec) if rec else None}
+    md = _markdown(title, results, win, lines, calib, cfg.get("command", ""), rows, threshold)
+    return "\n".join(text), md, extra
+
+
+def _markdown(title, results, win, lines, calib, cmd, rows, threshold) -> str:
     out = [f"## {title}", ""]
     if cmd:
         out += ["```", cmd, "```", ""]
-    out += [figures.render_markdown(results), "",
-            "| concurrency | throughput winner | median-latency winner |", "|---|---|---|"]
-    out += [f"| {w['concurrency']} | {w['throughput_winner']} | {w['latency_winner']} |" for w in win]
-    out += ["", "Verdict (spillover at the calibrated threshold vs the best other configuration):", ""]
+    names = list(results)
+    out += ["Output throughput (tok/s) and the winners per level:", "",
+            "| concurrency | " + " | ".join(names) + " | throughput winner | median-latency winner |",
+            "|" + "---|" * (len(names) + 3)]
+    for i, w in enumerate(win):
+        out.append(f"| {w['concurrency']} | " + " | ".join(f"{results[n][i]['output_throughput']:.1f}"
+                                                            for n in names)
+                   + f" | {w['throughput_winner']} | {w['latency_winner']} |")
+    out += ["", "Median TTFT / median E2E latency (s):", "",
+            "| concurrency | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for i, w in enumerate(win):
+        out.append(f"| {w['concurrency']} | " + " | ".join(
+            f"{results[n][i]['median_ttft_ms'] / 1000:.2f} / {results[n][i]['median_e2e_latency_ms'] / 1000:.1f}"
+            for n in names) + " |")
+    failed = sum(f["failed"] for figs in results.values() for f in figs)
+    out += ["", f"Failed requests: {failed}.", "",
+            f"Verdict (spillover at threshold {threshold} vs the best other configuration):", ""]
     out += [f"- {line}" for line in lines]
-    if rec is not None:
-        out += ["", "Calibration notes:", ""] + [f"- {n}" for n in rec.notes]
+    if calib:
+        out += ["", "Calibration (from the all-speculative and all-baseline runs above):", "", "```", calib, "```"]
     return "\n".join(out) + "\n"
