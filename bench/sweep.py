@@ -201,7 +201,10 @@ async def run_sweep(cfg: SweepConfig, quiet: bool = False) -> dict[str, list[dic
                 n = cfg.requests_for(level)
             spec = LoadSpec(url=url, prompts=prompts, model=cfg.model, max_tokens=cfg.max_tokens,
                             requests=n, duration=cfg.duration_per_level, timeout=cfg.timeout,
-                            extra_body=extra, seed=cfg.seed)
+                            extra_body=extra, seed=cfg.seed,
+                            level_timeout=level_cap(n, cfg.duration_per_level, cfg.timeout,
+                                                    None if cfg.request_rates else level,
+                                                    level * cfg.speedup if cfg.request_rates else None))
             bar.start_level(f"{name} {'rate' if cfg.request_rates else 'c'}={level:g}")
             if cfg.request_rates:
                 # The rate is stated in the target's time; its clock runs K times faster than the wall clock.
@@ -218,6 +221,21 @@ async def run_sweep(cfg: SweepConfig, quiet: bool = False) -> dict[str, list[dic
                 first = next(iter(fig["errors"]), "unknown error")
                 print(f"warning: every request to {name} failed at this level: {first}", file=sys.stderr)
     return results
+
+
+def level_cap(requests: int | None, duration: float | None, timeout: float, concurrency: int | None,
+              rate: float | None) -> float:
+    """Wall-time cap of one level: what its bounds allow if every request used its whole timeout,
+    plus a minute; never shorter than a legitimate run, never unbounded."""
+    caps = []
+    if duration is not None:
+        caps.append(duration + timeout)
+    if requests is not None:
+        if concurrency:
+            caps.append(-(-requests // concurrency) * timeout)
+        elif rate:
+            caps.append(requests / rate + timeout)
+    return min(caps) + 60.0
 
 
 class _Null:

@@ -88,6 +88,14 @@ def test_compare_cli_small(tmp_path, capsys):
     md = (tmp_path / "cmp.md").read_text()
     assert "python -m bench compare" in md and "| concurrency |" in md
     assert (tmp_path / "cmp.png").exists() and "verdict" in cap.out
+    assert "recommended spillover threshold" in (tmp_path / "cmp.txt").read_text()
+    # a saved run re-renders to the same report
+    (tmp_path / "cmp.md").unlink()
+    assert compare.main(["--from-json", str(tmp_path / "cmp.json")]) == 0
+    assert (tmp_path / "cmp.md").read_text() == md
+    (tmp_path / "bad.json").write_text("{}")
+    assert compare.main(["--from-json", str(tmp_path / "bad.json")]) == 2
+    assert "cannot re-render" in capsys.readouterr().err
 
 
 def test_compare_bad_flags(capsys):

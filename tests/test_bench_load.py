@@ -253,3 +253,18 @@ async def test_sweep_cli_unreachable_and_bad_prompts(tmp_path, capsys, fake_fact
     rc = await _run_cli(["--target", f"a={url}", "--prompts", str(bad), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "bad.jsonl:1: not valid JSON" in err
+
+
+def test_level_cap_bounds_every_level():
+    # 10 requests on 4 clients: at most 3 rounds of the 5 s timeout, plus a minute
+    assert sweep.level_cap(10, None, 5.0, 4, None) == 3 * 5.0 + 60
+    assert sweep.level_cap(None, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60
+    assert sweep.level_cap(100, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60  # the tighter bound wins
+    assert sweep.level_cap(20, None, 5.0, None, 10.0) == 2.0 + 5.0 + 60
+
+
+async def test_level_time_limit_counts_cut_requests_as_failed(fake_factory):
+    url, _ = await fake_factory(tokens=50, gap=0.05)
+    run = await run_closed(LoadSpec(url=url, prompts=PROMPTS, requests=2, level_timeout=0.3), concurrency=2)
+    assert len(run.records) == 2
+    assert all(r.error == "cancelled: level time limit 0.3s" for r in run.records)
