@@ -54,7 +54,9 @@ def _handler_args(settings: Settings) -> dict:
     # keepalive_timeout also bounds a connection that never completes its request line or headers
     # (aiohttp's default is an hour: a slow-loris client could hold file descriptors that long).
     return {"max_line_size": settings.max_header_bytes, "max_field_size": settings.max_header_bytes,
-            "max_headers": settings.max_headers, "keepalive_timeout": settings.client_timeout}
+            "max_headers": settings.max_headers, "keepalive_timeout": settings.client_timeout,
+            # After a 408/413 aiohttp keeps reading the unwanted body for lingering_time (10 s) before closing.
+            "lingering_time": min(2.0, settings.client_timeout)}
 
 
 async def _drain_deadline(app: web.Application) -> None:

@@ -42,6 +42,9 @@ def _check_url(url: str) -> str:
         parts.port  # noqa: B018 - raises on a non-numeric port
     except ValueError as exc:
         raise ValueError(f"bad backend URL {url!r}: {exc}") from None
+    if parts.username or parts.password:
+        # Backend URLs end up in response headers and metric labels: no credentials in them.
+        raise ValueError(f"backend URL for host {parts.hostname!r} must not carry credentials; use *_api_key")
     if parts.query or parts.fragment:
         raise ValueError(f"bad backend URL {url!r}: no query or fragment allowed")
     return url.rstrip("/")

@@ -47,6 +47,7 @@ def test_example_config_is_valid():
     ("- a\n- b", {}, {}, "mapping"),
     ("speculative: [http://x:1]\nbaseline: [http://x:1]", {}, {}, "both pools"),
     ("speculative: [http://x:1, http://x:1]", {}, {}, "twice"),
+    ("speculative: ['http://u:secret@x:1']", {}, {}, "must not carry credentials"),
     ("speculative: [http://x:1]", {}, {"metrics_port": "9"}, "go together"),
     ("speculative: [http://x:1]", {}, {"connect_timeout": "0"}, "connect_timeout"),
 ])
