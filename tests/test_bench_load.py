@@ -268,3 +268,15 @@ async def test_level_time_limit_counts_cut_requests_as_failed(fake_factory):
     run = await run_closed(LoadSpec(url=url, prompts=PROMPTS, requests=2, level_timeout=0.3), concurrency=2)
     assert len(run.records) == 2
     assert all(r.error == "cancelled: level time limit 0.3s" for r in run.records)
+
+
+async def test_sweep_cli_open_loop(fake_factory, tmp_path, capsys):
+    url, state = await fake_factory(tokens=3)
+    rc = await _run_cli(["--target", f"a={url}", "--request-rate", "50,100", "--requests-per-level", "5",
+                         "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and state["requests"] == 10
+    assert "rate" in out and "50/s" in out and "100/s" in out
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert [f["request_rate"] for f in data["results"]["a"]] == [50.0, 100.0]
+    assert (tmp_path / "sweep.png").exists()
