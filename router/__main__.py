@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "debug":
+        # aiohttp logs a traceback for every malformed request it rejects (400/431): bad input from clients
+        # must not flood the log. Handler errors are logged by the router's own middleware.
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     _raise_fd_limit()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings))
