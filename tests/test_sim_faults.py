@@ -198,3 +198,17 @@ async def test_sigkill_leaves_nothing_listening(sim_process_factory):
     async with aiohttp.ClientSession() as s:
         with pytest.raises(aiohttp.ClientConnectorError):
             await s.get(proc.url + "/health")
+
+
+async def test_speedup_can_change_at_run_time(sim_factory):
+    sim = await sim_factory(speedup=5)
+    async with aiohttp.ClientSession() as s:
+        for bad in ({"speedup": 0}, {"speedup": "x"}, {}):
+            async with s.post(sim.url + "/_sim/speedup", json=bad) as r:
+                assert r.status == 400
+        async with s.post(sim.url + "/_sim/speedup", json={"speedup": 400}) as r:
+            assert (await r.json()) == {"speedup": 400.0}
+        async with s.get(sim.url + "/server_info") as r:
+            assert (await r.json())["simulator_speedup"] == 400.0
+        async with s.post(sim.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200

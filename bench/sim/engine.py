@@ -57,6 +57,31 @@ def _accept_rate(mean_len: float, steps: int) -> float:
     return (lo + hi) / 2
 
 
+class Outbox:
+    """What the engine has emitted for one request and its handler has not sent yet (a lean asyncio.Queue)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One generation: its deterministic output, where it ends, and what the engine has emitted so far."""
@@ -79,7 +104,7 @@ class SimRequest:
     finished_at: float | None = None
     last_token_at: float | None = None
     itl: list[float] = field(default_factory=list)  # wall seconds between consecutive emissions
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=Outbox)
 
     @property
     def completion_tokens(self) -> int:
@@ -299,22 +324,24 @@ class Engine:
             self._recent.popleft()
 
     def _advance(self, req: SimRequest, k: int, now: float) -> int:
-        k = min(k, req.completion_tokens - req.generated)
-        if req.completion_tokens == 0:
-            k = 0
         start = req.generated
-        req.generated += k
-        piece = "".join(req.tokens[start:req.generated])
+        total = len(req.tokens)
+        if start + k > total:
+            k = total - start
+        end = start + k
+        req.generated = end
+        piece = req.tokens[start] if k == 1 else "".join(req.tokens[start:end])
         # never show text past a matched stop string
         room = len(req.text) - req.emitted_chars
-        piece = piece[:max(room, 0)]
+        if len(piece) > room:
+            piece = piece[:max(room, 0)]
         req.emitted_chars += len(piece)
         if req.first_token_at is None:
             req.first_token_at = now
-        elif req.last_token_at is not None:
+        else:
             req.itl.append(now - req.last_token_at)
         req.last_token_at = now
-        finished = req.generated >= req.completion_tokens
+        finished = end >= total
         if finished:
             req.state = "finished"
             req.finished_at = now

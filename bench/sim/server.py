@@ -184,6 +184,7 @@ class SimServer:
         r.add_post("/_sim/faults", self.faults_post)
         r.add_delete("/_sim/faults", self.faults_delete)
         r.add_get("/_sim/stats", self.stats)
+        r.add_post("/_sim/speedup", self.speedup_post)
         return app
 
     # ---- generation ---------------------------------------------------------------------------
@@ -507,6 +508,19 @@ class SimServer:
     async def faults_delete(self, request: web.Request) -> web.Response:
         self.faults = Faults()
         return web.json_response(self.faults.model_dump())
+
+    async def speedup_post(self, request: web.Request) -> web.Response:
+        """Change --speedup at run time (a sweep gives each load level the speed the machine can carry)."""
+        try:
+            body = await request.json()
+            value = float(body["speedup"])
+            if not value > 0:
+                raise ValueError
+        except (ValueError, TypeError, KeyError):
+            return _error('body must be {"speedup": K} with K > 0', "BadRequestError", 400)
+        self.cfg.speedup = value
+        self.engine.speedup = value
+        return web.json_response({"speedup": value})
 
     async def stats(self, request: web.Request) -> web.Response:
         e = self.engine
