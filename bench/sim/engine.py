@@ -81,6 +81,18 @@ class Outbox:
                 self._waiter = None
         return self._items.popleft()
 
+    async def get_all(self) -> list:
+        """Everything pending (waiting for at least one item): a handler that fell behind catches up at once."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self._items)
+        self._items.clear()
+        return items
+
 
 @dataclass(eq=False)
 class SimRequest:

@@ -304,47 +304,60 @@ class SimServer:
         model = body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        sent = 0
         stall, drop = faults.stall_after_chunks, faults.drop_after_chunks
+        out: list[bytes] = []  # the SSE events of one wake-up, sent in one write (one syscall)
+        sent = 0
 
-        async def send(data: bytes) -> None:
-            nonlocal sent
-            if drop is not None and sent >= drop:
-                self._count_fault("drop")
-                await self._drop(request)
-            if stall is not None and sent >= stall:
-                self._count_fault("stall")
-                await self._park()
+        async def flush() -> None:
+            if not out:
+                return
             if not resp.prepared:
                 # SGLang sends the headers with the first chunk, after prefill
                 await resp.prepare(request)
+            data = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
             await resp.write(data)
+
+        async def emit(data: bytes) -> None:
+            nonlocal sent
+            if drop is not None and sent >= drop:
+                await flush()
+                self._count_fault("drop")
+                await self._drop(request)
+            if stall is not None and sent >= stall:
+                await flush()
+                self._count_fault("stall")
+                await self._park()
+            out.append(data)
             sent += 1
 
         content = P.ContentChunks(req.rid, created, model, chat=chat)
         first = True
-        while True:
-            piece, finished = await req.outbox.get()
-            if chat:
-                if first:
-                    await send(P.chat_chunk(req.rid, created, model, role="assistant", content=""))
-                if piece:
-                    await send(content(piece))
-                if finished:
-                    await send(P.chat_chunk(req.rid, created, model, finish_reason=req.finish_reason,
-                                            matched_stop=req.matched_stop))
-            elif finished:
-                await send(P.completion_chunk(req.rid, created, model, piece, req.finish_reason,
-                                              req.matched_stop))
-            elif piece or first:
-                await send(content(piece))
-            first = False
-            if finished:
-                break
+        finished = False
+        while not finished:
+            # normally one step's output; several when this handler fell behind the engine
+            for piece, finished in await req.outbox.get_all():
+                if chat:
+                    if first:
+                        await emit(P.chat_chunk(req.rid, created, model, role="assistant", content=""))
+                    if piece:
+                        await emit(content(piece))
+                    if finished:
+                        await emit(P.chat_chunk(req.rid, created, model, finish_reason=req.finish_reason,
+                                                matched_stop=req.matched_stop))
+                elif finished:
+                    await emit(P.completion_chunk(req.rid, created, model, piece, req.finish_reason,
+                                                  req.matched_stop))
+                elif piece or first:
+                    await emit(content(piece))
+                first = False
+            if not finished:
+                await flush()
         if include_usage:
             build = P.chat_usage_chunk if chat else P.completion_usage_chunk
-            await send(build(req.rid, created, model, req.prompt_tokens, req.completion_tokens))
-        await send(P.DONE)
+            await emit(build(req.rid, created, model, req.prompt_tokens, req.completion_tokens))
+        await emit(P.DONE)
+        await flush()
         await resp.write_eof()
         return resp
 
