@@ -33,13 +33,14 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     app = web.Application(middlewares=[proxy.count_rejections, error_middleware, proxy.auth_middleware],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
-    app.router.add_post(proxy.CHAT, proxy.chat_completions)
-    app.router.add_post(proxy.COMPLETIONS, proxy.completions)
-    app.router.add_get("/v1/models", proxy.models)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/ready", proxy.ready)
+    _add(app, "POST", proxy.CHAT, proxy.chat_completions)
+    _add(app, "POST", proxy.COMPLETIONS, proxy.completions)
+    _add(app, "GET", "/v1/models", proxy.models)
+    _add(app, "GET", "/health", proxy.health)
+    _add(app, "GET", "/ready", proxy.ready)
     if settings.metrics_port is None:
-        app.router.add_get("/metrics", proxy.metrics_handler(st))
+        _add(app, "GET", "/metrics", proxy.metrics_handler(st))
+    _add(app, "*", "/{tail:.*}", proxy.unrouted)
     app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_health_ctx)
@@ -48,6 +49,14 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     if settings.metrics_port is not None:
         app.cleanup_ctx.append(_metrics_listener_ctx)
     return app
+
+
+def _add(app: web.Application, method: str, path: str, handler) -> None:
+    # Every path has a route (the last one catches the rest), so every answer passes the middlewares
+    # and the router's own Expect handling.
+    app.router.add_route(method, path, handler, expect_handler=proxy.expect_handler)
+    if method == "GET":
+        app.router.add_route("HEAD", path, handler, expect_handler=proxy.expect_handler)
 
 
 def _handler_args(settings: Settings) -> dict:
@@ -97,8 +106,10 @@ async def _loads_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _metrics_listener_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
     assert st.settings.metrics_host is not None and st.settings.metrics_port is not None
-    mapp = web.Application(middlewares=[error_middleware])
-    mapp.router.add_get("/metrics", proxy.metrics_handler(st))
+    mapp = web.Application(middlewares=[error_middleware], handler_args=_handler_args(st.settings))
+    mapp[STATE] = st
+    _add(mapp, "GET", "/metrics", proxy.metrics_handler(st))
+    _add(mapp, "*", "/{tail:.*}", proxy.unrouted)
     runner = web.AppRunner(mapp, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, st.settings.metrics_host, st.settings.metrics_port)

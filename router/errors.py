@@ -42,9 +42,17 @@ class NotFound(RouterError):
 class MethodNotAllowed(RouterError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
+    def __init__(self, message: str, *, allow: str = "") -> None:
+        super().__init__(message)
+        self.allow = allow
+
 
 class RequestTimeout(RouterError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
+class ExpectationFailed(RouterError):
+    status, type, code = 417, "invalid_request_error", "expectation_failed"
 
 
 class PayloadTooLarge(RouterError):
@@ -112,7 +120,8 @@ async def error_middleware(request: web.Request,
     try:
         return await handler(request)
     except RouterError as err:
-        return error_response(err)
+        allow = getattr(err, "allow", "")
+        return error_response(err, {"Allow": allow} if allow else None)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -10,12 +10,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.errors import (
     BadRequest,
+    ExpectationFailed,
+    MethodNotAllowed,
     NoHealthyBackend,
+    NotFound,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
@@ -42,6 +45,30 @@ CLIENT_CLOSED = "499"
 
 
 # ---------------------------------------------------------------- request side
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` as aiohttp does it; anything else is a 417 in our shape.
+
+    aiohttp's default handler echoes the header into its error text and fails with a 500 on non-UTF-8 bytes.
+    """
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error_response(ExpectationFailed("only 'Expect: 100-continue' is supported"))
+    if request.version == HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+    return None
+
+
+async def unrouted(request: web.Request) -> web.StreamResponse:
+    """The catch-all route: 405 for a known path with the wrong method, else 404. Nothing is forwarded."""
+    allowed = sorted({route.method for resource in request.app.router.resources()
+                      if resource.canonical == request.path for route in resource if route.method != "*"})
+    if allowed:
+        raise MethodNotAllowed(f"method {request.method} not allowed on {request.path[:200]}",
+                               allow=",".join(allowed))
+    raise NotFound(f"no route for {request.path[:200]!r}; the router serves only /v1/chat/completions, "
+                   "/v1/completions, /v1/models, /health, /ready and /metrics")
+
 
 @web.middleware
 async def count_rejections(request: web.Request,

@@ -211,3 +211,41 @@ async def test_router_made_errors_are_counted_without_a_backend(guarded):
     router.state.pools.backends[0].refused()
     await call("POST", router.url + CHAT, data=json.dumps(CHAT_BODY).encode(), headers=AUTH)
     assert router.metric("router_requests_total", pool="none", backend="none", code="503") == 1
+
+
+async def _raw(url: str, request: bytes) -> bytes:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(5):
+            return await reader.read(4096)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", [CHAT.encode(), b"/nope", b"/v1/models"])
+@pytest.mark.parametrize("value", [b"\x80\xff", b"something-else"])
+async def test_odd_expect_header_is_417_not_500(guarded, path, value):
+    _, router = guarded
+    got = await _raw(router.url, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: " + value +
+                     b"\r\nAuthorization: Bearer sekrit\r\nContent-Length: 2\r\n\r\n{}")
+    assert got.startswith(b"HTTP/1.1 417 ")
+    assert b'"code": "expectation_failed"' in got
+
+
+async def test_expect_100_continue_works(guarded):
+    _, router = guarded
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router.url + CHAT, json=CHAT_BODY, expect100=True,
+                          headers={"Authorization": "Bearer sekrit"}) as r:
+            assert r.status == 200
+
+
+async def test_unknown_v1_paths_need_the_key_too(guarded):
+    sim, router = guarded
+    status, _, raw = await call("POST", router.url + "/v1/embeddings", data=b"{}")
+    assert_openai_error(status, raw, 401, "authentication_error", "invalid_api_key")
+    status, headers, raw = await call("HEAD", router.url + "/health")
+    assert status == 200
