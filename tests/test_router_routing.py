@@ -159,7 +159,7 @@ async def test_no_healthy_backend_503_and_ready(sim_factory, router_factory):
 
 
 async def test_starts_while_backend_loads_then_routes(sim_factory, router_factory):
-    spec = await sim_factory("eagle3-tp8", startup_delay=0.8)
+    spec = await sim_factory("eagle3-tp8", startup_delay=2.0)
     router = await router_factory([spec.url], [])
     async with aiohttp.ClientSession() as s:
         async with s.get(router.url + "/ready") as r:
