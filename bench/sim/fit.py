@@ -139,16 +139,28 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
     cap = prof.max_running_requests
     lo_n = min(min(c, cap) for c, _ in rows)
 
-    def make(x: list[float]) -> Profile | None:
-        a, b, q = x[0], x[1], (x[2] if quadratic else 0.0)
+    length = prof.accept_length_general if prof.speculative else 1.0
+    steps = 1 + expected_steps(max_tokens - 1, length, prof.speculative_num_steps)
+    prefill = prof.prefill_ms(int(round(prompt_tokens)))
+    # (batch size, measured) per row: the objective below is predict() without building a Profile each time
+    data = [(min(c, cap), v) for c, v in rows]
+
+    def valid(a: float, b: float, q: float) -> bool:
         # the step must stay positive and not shrink as the batch grows, over the whole usable range
-        if a <= 0 or a + b * lo_n + q * lo_n * lo_n <= 0 or b + 2 * q * cap < 0 or b + 2 * q * lo_n < 0:
-            return None
-        return prof.model_copy(update={"decode_a_ms": a, "decode_b_ms": b, "decode_q_ms": q})
+        return a > 0 and a + b * lo_n + q * lo_n * lo_n > 0 and b + 2 * q * cap >= 0 and b + 2 * q * lo_n >= 0
 
     def objective(x: list[float]) -> float:
-        p = make(x)
-        return 1e9 if p is None else _worst(p, rows, max_tokens, prompt_tokens)
+        a, b, q = x[0], x[1], (x[2] if quadratic else 0.0)
+        if not valid(a, b, q):
+            return 1e9
+        return max(abs(n * max_tokens * 1000.0 / (steps * (a + b * n + q * n * n) + n * prefill) / v - 1)
+                   for n, v in data)
+
+    def make(x: list[float]) -> Profile | None:
+        a, b, q = x[0], x[1], (x[2] if quadratic else 0.0)
+        if not valid(a, b, q):
+            return None
+        return prof.model_copy(update={"decode_a_ms": a, "decode_b_ms": b, "decode_q_ms": q})
 
     x0 = [prof.decode_a_ms, prof.decode_b_ms] + ([prof.decode_q_ms] if quadratic else [])
     scale = [0.2 * abs(v) + 1e-3 for v in x0[:2]] + ([1e-3 + abs(x0[2]) * 0.5] if quadratic else [])
