@@ -184,17 +184,23 @@ def test_fit_cli_on_the_shared_table(tmp_path):
     (["sim", "--port", "70000"], "--port"),
     (["sim", "--bogus"], "unrecognized"),
 ])
-def test_cli_errors_are_one_line_exit_2(tmp_path, argv, needle):
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, needle):
+    from bench.__main__ import main
+
     csv = tmp_path / "t.csv"
     csv.write_text(TABLE)
     argv = [a.replace("{csv}", str(csv)) for a in argv]
-    r = subprocess.run([sys.executable, "-m", "bench", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
 
 
-def test_cli_port_in_use_is_exit_2():
+def test_cli_port_in_use_is_exit_2_in_a_real_process():
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,4 +208,5 @@ def test_cli_port_in_use_is_exit_2():
         port = s.getsockname()[1]
         r = subprocess.run([sys.executable, "-m", "bench", "sim", "--port", str(port)], cwd=REPO,
                            capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "cannot listen" in r.stderr
