@@ -26,6 +26,8 @@ _CODE_RE = re.compile(
     r"|fastapi|pydantic|deployment|manifest|xargs)\b",
     re.IGNORECASE,
 )
+# steps the loop may run back to back when it is behind schedule, before it lets the handlers run
+CATCH_UP_STEPS = 8
 # Without max_tokens and with ignore_eos a request would run to the context length; stop somewhere sane.
 MAX_GENERATED_TOKENS = 16384
 
@@ -286,6 +288,7 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
         deadline = time.monotonic()
+        behind = 0
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
@@ -303,9 +306,14 @@ class Engine:
             deadline += step / 1000.0 / self.speedup
             delay = deadline - time.monotonic()
             if delay > 0:
+                behind = 0
                 await asyncio.sleep(delay)
             else:
-                await asyncio.sleep(0)  # late: catch up, but let handlers run
+                # late: catch up with the next steps at once; yield now and then so handlers write (the
+                # steps they missed go out in one write) and new requests get in
+                behind += 1
+                if behind % CATCH_UP_STEPS == 0:
+                    await asyncio.sleep(0)
             self._emit(admitted, decoding)
 
     def _emit(self, admitted: list[SimRequest], decoding: list[SimRequest]) -> None:
