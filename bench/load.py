@@ -214,6 +214,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
                                 usage = u
                     if saw_done:
                         break
+                if saw_done:
+                    # Read to the end so the connection goes back to the pool: leaving unread bytes closes
+                    # it, and a new connection per request costs the server an accept (slow under load).
+                    await resp.content.read()
     except TimeoutError:
         rec.error = f"timeout after {limit_s:g}s"
     except aiohttp.ClientConnectorError as exc:

@@ -84,6 +84,8 @@ class RouterView:
     disconnects: float = 0.0
     retries: float = 0.0
     upstream_errors: dict[str, float] = field(default_factory=dict)  # kind -> count
+    ttft_sum: float = 0.0  # router_time_to_first_token_seconds, all pools
+    ttft_count: float = 0.0
 
     @property
     def inflight_total(self) -> float:
@@ -107,6 +109,10 @@ def parse_router_metrics(text: str) -> RouterView:
                 v.disconnects += s.value
             elif s.name == "router_retries_total":
                 v.retries += s.value
+            elif s.name == "router_time_to_first_token_seconds_sum":
+                v.ttft_sum += s.value
+            elif s.name == "router_time_to_first_token_seconds_count":
+                v.ttft_count += s.value
             elif s.name == "router_upstream_errors_total":
                 v.upstream_errors[lab["kind"]] = v.upstream_errors.get(lab["kind"], 0) + s.value
     return v
@@ -382,7 +388,9 @@ async def run_stress(cfg: StressConfig, router_url: str, router_pid: int, sims: 
                    "answered": router_answered,
                    "by_status": {k: after.codes[k] - before.codes.get(k, 0) for k in sorted(after.codes)},
                    "client_disconnects": after.disconnects - before.disconnects,
-                   "retries": after.retries - before.retries, "upstream_errors": after.upstream_errors, **usage},
+                   "retries": after.retries - before.retries,
+                   "mean_ttft_s": round((after.ttft_sum - before.ttft_sum) / (after.ttft_count - before.ttft_count), 3)
+                   if after.ttft_count > before.ttft_count else None, "upstream_errors": after.upstream_errors, **usage},
         "simulator_processes": sim_usage,
         "simulators": {u: {k: stats[u][k] for k in ("running", "queued", "requests_total", "completed_total",
                                                      "aborted_total")} for u in all_sims},
@@ -409,7 +417,7 @@ def render(res: dict) -> str:
         f"{json.dumps(r['by_status'])}; client disconnects {r['client_disconnects']:g}; retries {r['retries']:g}",
         f"router process: peak RSS {r['peak_rss_mb']} MB, CPU {r['cpu_seconds']} s "
         f"(mean {r['mean_cpu_percent']}%, peak {r['peak_cpu_percent']}% of one core)",
-        f"client TTFT p50 {c['ttft_p50_s']} s, p99 {c['ttft_p99_s']} s; client CPU {c['cpu_seconds']} s; "
+        f"client TTFT p50 {c['ttft_p50_s']} s, p99 {c['ttft_p99_s']} s (router-side mean {r['mean_ttft_s']} s); client CPU {c['cpu_seconds']} s; "
         f"simulators CPU {[x['cpu_seconds'] for x in res['simulator_processes']]} s",
         "",
         "| simulator | running | queued | requests | completed | aborted |", "|---|---:|---:|---:|---:|---:|",
