@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import figures
 from bench.load import BenchInputError
 from bench.sweep import (
     ArgError,
@@ -31,7 +32,7 @@ class Curve:
 
     @classmethod
     def from_figs(cls, figs: list[dict]) -> Curve:
-        pts = sorted((f["concurrency"], f["output_throughput"], f["median_e2e_latency_ms"])
+        pts = sorted((f["concurrency"], figures.tput(f), f["median_e2e_latency_ms"])
                      for f in figs if f.get("completed"))
         if not pts:
             raise BenchInputError("no level of this pool completed a request; nothing to calibrate on")
@@ -94,9 +95,9 @@ def _mixed_median(spec: Curve, cs: float, base: Curve, cb: float) -> float:
     return groups[0][0] if share > 0.5 else groups[1][0]
 
 
-def round_robin(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[float, float]:
-    """Expected figures of requests dealt in turn to every backend in a closed loop: each backend
-    completes requests at the same rate, so the slower pool accumulates more of the in-flight ones."""
+def round_robin_split(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> float:
+    """In-flight requests on the speculative pool when requests are dealt in turn to every backend in a
+    closed loop: each backend completes requests at the same rate, so the slower pool holds more."""
     lo, hi = 0.0, float(c)
     for _ in range(60):
         cs = (lo + hi) / 2
@@ -104,7 +105,12 @@ def round_robin(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[f
             lo = cs
         else:
             hi = cs
-    cs = (lo + hi) / 2
+    return (lo + hi) / 2
+
+
+def round_robin(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[float, float]:
+    """Expected (tok/s, median E2E ms) of round-robin at `c` concurrent requests."""
+    cs = round_robin_split(spec, base, c, n_spec, n_base)
     return spec.throughput(cs) + base.throughput(c - cs), _mixed_median(spec, cs, base, c - cs)
 
 

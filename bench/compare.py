@@ -44,7 +44,7 @@ def winners(results: dict[str, list[dict]]) -> list[dict]:
     for i, f0 in enumerate(results[names[0]]):
         figs = {n: results[n][i] for n in names}
         ok = {n: f for n, f in figs.items() if f["completed"]}
-        tp = max(ok, key=lambda n: ok[n]["output_throughput"]) if ok else None
+        tp = max(ok, key=lambda n: figures.tput(ok[n])) if ok else None
         lat = min(ok, key=lambda n: ok[n]["median_e2e_latency_ms"]) if ok else None
         rows.append({"concurrency": f0["concurrency"], "throughput_winner": tp, "latency_winner": lat})
     return rows
@@ -57,39 +57,48 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
     others = [n for n in results if n != "spillover"]
     for i, sp in enumerate(results["spillover"]):
         c = sp["concurrency"]
-        best = max(others, key=lambda n: results[n][i]["output_throughput"])
-        b = results[best][i]["output_throughput"]
-        ratio = sp["output_throughput"] / b if b else float("inf")
+        best = max(others, key=lambda n: figures.tput(results[n][i]))
+        b = figures.tput(results[best][i])
+        ratio = figures.tput(sp) / b if b else float("inf")
         status = "above" if ratio >= 1.0 else ("within noise" if ratio >= 1 - NOISE else "BELOW")
-        row = {"concurrency": c, "spillover": sp["output_throughput"], "best_other": best,
+        row = {"concurrency": c, "spillover": figures.tput(sp), "best_other": best,
                "best_other_tput": b, "ratio": ratio, "status": status}
         if rec is not None and c in rec.expected:
             row["expected_spillover"] = rec.expected[c]["spillover"]
         rows.append(row)
-        text = (f"c={c}: spillover@{threshold} {sp['output_throughput']:.1f} tok/s vs best other "
+        text = (f"c={c}: spillover@{threshold} {figures.tput(sp):.1f} tok/s vs best other "
                 f"({best}) {b:.1f} -> {ratio:.2f}x, {status}")
         if status == "BELOW":
-            text += "; " + explain(c, threshold, best, rec, spec, base)
+            text += "; " + explain(c, threshold, best, rec, spec, base, figures.tput(sp), b)
         lines.append(text)
     return lines, rows
 
 
-def explain(c: int, threshold: int, best: str, rec, spec, base) -> str:
+def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float, other: float) -> str:
+    """Why spillover trails `best` at `c`, in numbers from the pool curves (calibrate's model)."""
     if rec is None or spec is None or base is None:
         return "no calibration data to explain it (threshold given with --threshold)"
     k = min(c, threshold)
-    here = rec.best_per_level.get(c)
-    why = (f"with threshold {threshold}, {k} of the {c} in-flight requests run on the speculative server; "
-           f"the pool curves give {spec.throughput(k):.1f} tok/s there where the baseline would give "
-           f"{base.throughput(k):.1f} for the same {k}")
-    if c > k:
-        why += f" (plus {base.throughput(c - k):.1f} from the baseline's {c - k})"
-    if here is not None and here != threshold:
-        why += (f"; threshold {here} would win at this level alone, but its score over all levels is "
-                f"{rec.scores[here]:.3f} against {rec.scores[threshold]:.3f} for {threshold}")
+    e = rec.expected.get(c, {})
+    parts = [f"spillover@{threshold} keeps {k} of the {c} in-flight requests on the speculative server "
+             f"and {c - k} on the baseline"]
     if best == "round-robin":
-        why += "; round-robin puts more requests on the speculative pool at this load"
-    return why
+        x = calibrate.round_robin_split(spec, base, c)
+        parts.append(f"round-robin settles near {x:.1f} / {c - x:.1f}")
+    elif best == "all-baseline":
+        parts.append(f"all-baseline keeps all {c} on the baseline")
+    if e:
+        parts.append(f"the pool curves predict {e['spillover']:.0f} tok/s for spillover@{threshold} and "
+                     f"{e.get(best, float('nan')):.0f} for {best} (measured {measured:.0f} and {other:.0f})")
+    here = rec.best_per_level.get(c)
+    if here is not None and here != threshold:
+        parts.append(f"threshold {here} would be best at this level alone "
+                     f"({e.get('best_here', float('nan')):.0f} tok/s predicted) but scores {rec.scores[here]:.3f} "
+                     f"over all levels against {rec.scores[threshold]:.3f} for {threshold}: one threshold cannot "
+                     "follow the best split at every load")
+    if e and e["spillover"] > 1.05 * measured:
+        parts.append(f"the run fell {1 - measured / e['spillover']:.0%} short of the model here")
+    return "; ".join(parts)
 
 
 def main(argv: list[str]) -> int:
@@ -253,11 +262,12 @@ def _markdown(title, results, win, lines, calib, cmd, rows, threshold) -> str:
     if cmd:
         out += ["```", cmd, "```", ""]
     names = list(results)
-    out += ["Output throughput (tok/s) and the winners per level:", "",
+    out += ["Steady-state output throughput (tok/s while every client still had work; bench_serving's "
+            "`output_throughput` is in the .txt, .json and .csv) and the winners per level:", "",
             "| concurrency | " + " | ".join(names) + " | throughput winner | median-latency winner |",
             "|" + "---|" * (len(names) + 3)]
     for i, w in enumerate(win):
-        out.append(f"| {w['concurrency']} | " + " | ".join(f"{results[n][i]['output_throughput']:.1f}"
+        out.append(f"| {w['concurrency']} | " + " | ".join(f"{figures.tput(results[n][i]):.1f}"
                                                             for n in names)
                    + f" | {w['throughput_winner']} | {w['latency_winner']} |")
     out += ["", "Median TTFT / median E2E latency (s):", "",

@@ -14,6 +14,12 @@ STATS = ("mean", "median", "p90", "p95", "p99")
 METRICS = ("ttft", "tpot", "itl", "e2e_latency")
 
 
+def tput(fig: dict) -> float:
+    """The throughput compare and calibrate decide on: steady-state when the run has it."""
+    v = fig.get("steady_output_throughput")
+    return fig["output_throughput"] if v is None else v
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks, as numpy.percentile's default (bench_serving uses it)."""
     if not values:
@@ -62,6 +68,7 @@ def compute(run: LevelRun, speedup: float = 1.0) -> dict:
     e2es = [r.latency * k for r in ok]
     tpots = [t * k for r in ok if (t := tpot(r.latency, r.ttft, r.output_tokens)) is not None]
     gaps = [g * k for r in ok for g in itls(r.chunk_times)]
+    steady, window = steady_throughput(run, ok)
     fig: dict = {
         "concurrency": run.concurrency,
         "request_rate": run.request_rate,
@@ -73,6 +80,9 @@ def compute(run: LevelRun, speedup: float = 1.0) -> dict:
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (out_tokens + in_tokens) / duration if duration > 0 else 0.0,
+        # Not a bench_serving figure: output tok/s while every client still had work (see steady_throughput).
+        "steady_output_throughput": steady / k,
+        "steady_window_s": window * k,
         # Little's law over the run: how many requests were in flight on average.
         "mean_concurrency": sum(e2es) / duration if duration > 0 else 0.0,
         "accept_length": run.accept_length,
@@ -83,6 +93,26 @@ def compute(run: LevelRun, speedup: float = 1.0) -> dict:
             fig[f"{stat}_{name}_ms"] = v * 1000.0
     fig["errors"] = dict(Counter(_error_kind(r.error) for r in failed).most_common(5))
     return fig
+
+
+def steady_throughput(run: LevelRun, ok: list) -> tuple[float, float]:
+    """Output tok/s from the first request's start to the last request's start, while all clients were
+    still busy (wall seconds). A closed loop of a few requests per client ends with a drain where fewer
+    and fewer requests run; when the clients' requests differ in speed (a router mixing a fast and a slow
+    pool) that tail drags `output_throughput` below the steady rate. Tokens of a chunk are spread evenly
+    over a request's chunks. Falls back to the whole run when the window is under a quarter of it."""
+    if not run.records or run.duration <= 0:
+        return 0.0, 0.0
+    t0 = min(r.start for r in run.records)
+    t1 = max(r.start for r in run.records)
+    if t1 - t0 < 0.25 * run.duration:
+        return sum(r.output_tokens for r in ok) / run.duration, run.duration
+    tokens = 0.0
+    for r in ok:
+        if r.chunk_times:
+            per = r.output_tokens / len(r.chunk_times)
+            tokens += per * sum(1 for t in r.chunk_times if t <= t1)
+    return tokens / (t1 - t0), t1 - t0
 
 
 def _error_kind(err: str | None) -> str:
@@ -112,6 +142,8 @@ def render_table(results: dict[str, list[dict]], title: str | None = None) -> st
     levels = [level_key(f) for f in results[first]]
     rows_by = {n: {level_key(f): f for f in results[n]} for n in names}
     blocks = [("output throughput (tok/s)", "output_throughput", 1, 1.0, True),
+              ("steady-state output throughput (tok/s, until the last request was sent)",
+               "steady_output_throughput", 1, 1.0, True),
               ("median TTFT (ms)", "median_ttft_ms", 0, 1.0, False),
               # Mean, not median: with a fast simulated clock several chunks can arrive in one read
               # (gap 0); the mean keeps their sum, the median collapses.
@@ -175,7 +207,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 CSV_FIELDS = ["target", "concurrency", "request_rate", "completed", "failed", "duration_s",
               "total_output_tokens", "total_input_tokens", "request_throughput", "output_throughput",
-              "total_token_throughput", "mean_concurrency", "accept_length"] + [
+              "steady_output_throughput", "steady_window_s", "total_token_throughput", "mean_concurrency", "accept_length"] + [
     f"{s}_{m}_ms" for m in METRICS for s in STATS]
 
 

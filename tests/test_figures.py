@@ -99,3 +99,19 @@ def test_table_csv_json_plot(tmp_path):
     assert json.loads((tmp_path / "x.json").read_text())["results"]["a"][0]["median_ttft_ms"] is None
     png = figures.plot(tmp_path / "x.png", {"spec": [f1, dict(f1, concurrency=10)]}, title="t")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_steady_throughput_excludes_the_drain():
+    a = RequestRecord(start=0.0, end=4.0, ttft=1.0, chunk_times=[1.0, 2.0, 3.0, 4.0], output_tokens=4)
+    b = RequestRecord(start=0.0, end=2.0, ttft=1.0, chunk_times=[1.0, 2.0], output_tokens=2)
+    # b's client sends again at t=2 (the last send); a 2-token chunk at t=3
+    c = RequestRecord(start=2.0, end=6.0, ttft=1.0, chunk_times=[3.0, 6.0], output_tokens=4)
+    f = figures.compute(_level([a, b, c], concurrency=2))
+    assert f["output_throughput"] == pytest.approx(10 / 6)
+    # window [0, 2]: a's first two chunks and both of b's -> 4 tokens in 2 s
+    assert f["steady_output_throughput"] == pytest.approx(2.0) and f["steady_window_s"] == pytest.approx(2.0)
+    assert figures.tput(f) == f["steady_output_throughput"]
+    # all requests sent at once: no steady window, the whole run counts
+    g = figures.compute(_level([a, b], concurrency=2))
+    assert g["steady_output_throughput"] == pytest.approx(g["output_throughput"])
+    assert figures.tput({"output_throughput": 5.0}) == 5.0
