@@ -234,6 +234,11 @@ async def test_native_endpoints(sim_factory, sglang_protocol):
             text = await r.text()
         assert redump(sglang_protocol.ModelList, text) == text
         assert json.loads(text)["data"][0]["id"] == "served-name"
+        async with s.get(base.url + "/v1/models/served-name") as r:
+            card = await r.text()
+        assert redump(sglang_protocol.ModelCard, card) == card
+        async with s.get(base.url + "/v1/models/other") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         async with s.get(base.url + "/model_info") as r:
             info = await r.json()
         assert info["served_model_name"] == "served-name" and info["is_generation"] is True
@@ -292,6 +297,8 @@ async def test_metrics_names_and_labels(sim_factory):
     assert re.search(r'^sglang:inter_token_latency_seconds_count\{engine_type="unified",model_name="served"\} [1-9]',
                      text, re.M)
     assert 'sim_faults_injected_total{kind="error"} 0.0' in text
+    queue = f'sglang:queue_time_seconds_count{{{sched}}} 2.0'
+    assert queue in text
 
 
 async def test_client_disconnect_aborts_and_frees_the_slot(sim_factory):

@@ -114,6 +114,7 @@ class SimRequest:
     emitted_chars: int = 0
     state: str = "new"  # new -> waiting -> running -> finished | aborted
     arrival: float = 0.0
+    admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     last_token_at: float | None = None
@@ -298,8 +299,10 @@ class Engine:
             while self.waiting and len(self.running) + len(admitted) < self.max_running:
                 admitted.append(self.waiting.popleft())
             decoding = list(self.running)
+            now = time.monotonic()
             for req in admitted:
                 req.state = "running"
+                req.admitted_at = now
                 self.running.append(req)
             step = self.profile.step_ms(len(decoding)) if decoding else 0.0
             step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))

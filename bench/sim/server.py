@@ -174,6 +174,7 @@ class SimServer:
         r.add_get("/health_generate", self.health)
         r.add_get("/ready", self.ready)
         r.add_get("/v1/models", self.models)
+        r.add_get("/v1/models/{model:.+}", self.model_card)
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
@@ -373,6 +374,8 @@ class SimServer:
         end = req.finished_at or time.monotonic()
         # latencies are reported in simulated seconds, as the real server would measure them
         m.e2e.labels(**labels).observe((end - req.arrival) * k)
+        if req.admitted_at is not None:
+            m.queue_time.labels(**m.sched).observe((req.admitted_at - req.arrival) * k)
         if req.first_token_at is not None:
             m.ttft.labels(**labels).observe((req.first_token_at - req.arrival) * k)
             itl = m.itl.labels(**m.tok)
@@ -393,11 +396,21 @@ class SimServer:
     async def ready(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self._ready() else 503)
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _card(self) -> dict:
         name = self.cfg.served_model_name
-        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
                 "parent": None, "max_model_len": self.profile.context_len}
-        return web.Response(text=P.dumps({"object": "list", "data": [card]}), content_type=JSON)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.Response(text=P.dumps({"object": "list", "data": [self._card()]}), content_type=JSON)
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model != self.cfg.served_model_name:
+            err = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+                   "param": "model", "code": "model_not_found"}
+            return web.Response(text=P.dumps({"error": err}), status=404, content_type=JSON)
+        return web.Response(text=P.dumps(self._card()), content_type=JSON)
 
     async def model_info(self, request: web.Request) -> web.Response:
         p = self.profile
