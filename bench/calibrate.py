@@ -20,6 +20,7 @@ from bench.sweep import (
 )
 
 OBJECTIVES = ("throughput", "latency")
+SCORE_TIE = 0.005
 
 
 @dataclass
@@ -122,6 +123,7 @@ class Recommendation:
     best_per_level: dict[int, int]  # level -> the threshold that would be best at that level alone
     expected: dict[int, dict]  # level -> expected figures of the recommendation and the alternatives
     notes: list[str]
+    worst: dict[int, float]  # threshold -> its worst level's ratio to the best of the alternatives
 
 
 def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective: str = "throughput",
@@ -141,7 +143,18 @@ def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective
         frac = {t: {c: best[c] / pred[t][c][1] for c in levels} for t in candidates}
     scores = {t: sum(frac[t].values()) / len(levels) for t in candidates}
     top = max(scores.values())
-    threshold = min(t for t in candidates if scores[t] >= top - 1e-9)  # ties: the smaller threshold
+    # The alternatives a user would otherwise run: each pool alone, and round-robin.
+    alt = {}
+    for c in levels:
+        rr = round_robin(spec, base, c, n_spec, n_base)
+        opts = [(base.throughput(c), base.latency(c)), (spec.throughput(c), spec.latency(c)), rr]
+        alt[c] = max(o[0] for o in opts) if idx == 0 else min(o[1] for o in opts)
+    worst = {t: min((pred[t][c][0] / alt[c]) if idx == 0 else (alt[c] / pred[t][c][1]) for c in levels)
+             for t in candidates}
+    # Scores closer than SCORE_TIE are within what a sweep can resolve; among those, take the threshold
+    # whose worst level against the alternatives is best, then the smaller one.
+    near = [t for t in candidates if scores[t] >= top - SCORE_TIE]
+    threshold = min(near, key=lambda t: (-round(worst[t], 6), t))
     best_per_level = {}
     for c in levels:
         vals = {t: pred[t][c][idx] for t in candidates}
@@ -159,7 +172,7 @@ def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective
             "round-robin": rr[0], "round-robin_median_e2e_ms": rr[1],
         }
     return Recommendation(threshold, objective, scores, best_per_level, expected,
-                          diagnose(spec_curve, base_curve))
+                          diagnose(spec_curve, base_curve), worst)
 
 
 def diagnose(spec: Curve, base: Curve) -> list[str]:
@@ -210,7 +223,24 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
     out.append(f"score = mean over levels of the fraction {what} achievable there: "
                + ", ".join(f"T={t} {s:.3f}" for t, s in ranked)
                + f"; T=0 (all baseline) {rec.scores[0]:.3f}, T={max(rec.scores)} {rec.scores[max(rec.scores)]:.3f}")
+    near = sorted(t for t, s in rec.scores.items() if s >= max(rec.scores.values()) - SCORE_TIE)
+    if len(near) > 1:
+        out.append(f"thresholds within {SCORE_TIE} of the best score ({_ranges(near)}) are a tie a sweep cannot "
+                   f"resolve; {rec.threshold} is the one whose worst level is best against all-baseline, "
+                   f"all-speculative and round-robin (expected {rec.worst[rec.threshold]:.2f}x of the best of them)")
+    else:
+        out.append(f"expected worst level against all-baseline, all-speculative and round-robin: "
+                   f"{rec.worst[rec.threshold]:.2f}x of the best of them")
     return "\n".join(out)
+
+
+def _ranges(ts: list[int]) -> str:
+    out, start = [], ts[0]
+    for a, b in zip(ts, ts[1:] + [None], strict=True):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
 
 
 def _grid(rows: list[list[str]]) -> list[str]:
@@ -223,6 +253,7 @@ def _grid(rows: list[list[str]]) -> list[str]:
 def rec_json(rec: Recommendation) -> dict:
     return {"threshold": rec.threshold, "objective": rec.objective, "notes": rec.notes,
             "best_threshold_per_level": rec.best_per_level, "expected": rec.expected,
+            "worst_ratio_to_alternatives": {str(t): w for t, w in rec.worst.items()},
             "scores": {str(t): s for t, s in rec.scores.items()}}
 
 
