@@ -107,3 +107,18 @@ def test_several_instances_share_load_evenly():
     rec = calibrate.recommend(SPEC, BASE, [2, 4], n_spec=2, n_base=2)
     # c=4 with T=1 per instance: 2 x S(1) + 2 x B(1) = 36, the best split
     assert rec.threshold == 1 and rec.expected[4]["spillover"] == pytest.approx(36.0)
+
+
+def test_near_tie_broken_by_worst_level_against_alternatives():
+    # Speculative: fast alone, saturating; baseline: slower alone, scaling. Many thresholds score alike.
+    spec = _curve({1: 140.0, 2: 229.0, 5: 340.0, 10: 466.0, 30: 576.0, 70: 603.0})
+    base = _curve({1: 92.0, 2: 158.0, 5: 256.0, 10: 446.0, 30: 696.0, 70: 739.0})
+    levels = [1, 2, 5, 10, 30, 70]
+    rec = calibrate.recommend(spec, base, levels)
+    top = max(rec.scores.values())
+    near = [t for t, s in rec.scores.items() if s >= top - calibrate.SCORE_TIE]
+    assert rec.threshold in near
+    assert rec.worst[rec.threshold] == max(rec.worst[t] for t in near)
+    text = calibrate.render(rec, spec, base, levels)
+    assert f"recommended spillover threshold: {rec.threshold}" in text
+    assert calibrate._ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
