@@ -123,7 +123,8 @@ class SimServer:
         sock.listen(1024)
         sock.setblocking(False)
         self._port = sock.getsockname()[1]
-        self._site = web.SockSite(self._runner, sock)
+        # aiohttp re-listens with backlog 128 unless told: a burst of 2,000 connects would overflow it
+        self._site = web.SockSite(self._runner, sock, backlog=4096)
         await self._site.start()
 
     async def stop_listener(self) -> None:
