@@ -9,6 +9,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router import proxy
+from router.accept import Acceptor, listen_socket
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.loads import LoadPoller
@@ -41,6 +42,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     if settings.metrics_port is None:
         _add(app, "GET", "/metrics", proxy.metrics_handler(st))
     _add(app, "*", "/{tail:.*}", proxy.unrouted)
+    app.on_shutdown.append(_stop_accepting)
     app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_health_ctx)
@@ -66,6 +68,12 @@ def _handler_args(settings: Settings) -> dict:
             "max_headers": settings.max_headers, "keepalive_timeout": settings.client_timeout,
             # After a 408/413 aiohttp keeps reading the unwanted body for lingering_time (10 s) before closing.
             "lingering_time": min(2.0, settings.client_timeout)}
+
+
+async def _stop_accepting(app: web.Application) -> None:
+    acceptor = app[STATE].acceptor
+    if isinstance(acceptor, Acceptor):
+        acceptor.close()
 
 
 async def _drain_deadline(app: web.Application) -> None:
@@ -136,9 +144,13 @@ async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
                            shutdown_timeout=st.settings.drain_timeout)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=4096)  # the kernel caps it at somaxconn
-        await site.start()
+        sock = listen_socket(host, port, backlog=4096)  # the kernel caps it at somaxconn
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, _bound_url(runner)
+    assert runner.server is not None
+    # Our own accept loop rather than a TCPSite: it takes every pending connection per loop turn.
+    st.acceptor = Acceptor(sock, runner.server)
+    st.acceptor.start()
+    host, port = sock.getsockname()[:2]
+    return runner, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

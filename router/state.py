@@ -23,6 +23,7 @@ class RouterState:
     api_key: bytes | None = field(default=None, repr=False)
     # Open proxied exchanges (router.proxy.Exchange): those left when the drain ends get an explicit error.
     exchanges: set = field(default_factory=set, repr=False)
+    acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
 
 
 STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

@@ -110,3 +110,43 @@ async def test_client_leaving_right_after_done_is_counted_as_served(router_facto
         assert router.metric("router_client_disconnects_total", pool="speculative") == 0
     finally:
         await runner.cleanup()
+
+
+async def test_the_acceptor_takes_every_pending_connection_in_one_turn():
+    """Regression: uvloop accepted one connection per loop turn; under 1,000+ streams new clients waited
+    tens of seconds in the kernel's queue. One readiness event must drain the whole queue."""
+    import socket
+
+    from router.accept import Acceptor, listen_socket
+
+    made: list[asyncio.Protocol] = []
+
+    class Proto(asyncio.Protocol):
+        def connection_made(self, transport):
+            made.append(self)
+            transport.close()
+
+    sock = listen_socket("127.0.0.1", 0, backlog=256)
+    acceptor = Acceptor(sock, Proto)
+    clients = []
+    try:
+        for _ in range(100):
+            c = socket.socket()
+            c.setblocking(False)
+            try:
+                c.connect(sock.getsockname())
+            except BlockingIOError:
+                pass
+            clients.append(c)
+        await asyncio.sleep(0.2)  # the kernel completes the handshakes; nothing is accepted yet
+        assert acceptor.accept_ready() == 100
+        assert acceptor.accept_ready() == 0
+        for _ in range(50):
+            if len(made) == 100:
+                break
+            await asyncio.sleep(0.02)
+        assert len(made) == 100
+    finally:
+        acceptor.close()
+        for c in clients:
+            c.close()
