@@ -9,8 +9,6 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
 from bench.sim.engine import _accept_rate
 from bench.sim.profiles import EAGLE_DEFAULT_MAX_RUNNING, Profile, ProfileError, load_profile
 
@@ -72,6 +70,23 @@ def read_table(path: Path, column: str) -> list[tuple[int, float]]:
     return rows
 
 
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the normal equations (A^T A) x = A^T b by Gaussian elimination; None if singular."""
+    k = len(a[0])
+    m = [[sum(r[i] * r[j] for r in a) for j in range(k)] + [sum(r[i] * v for r, v in zip(a, b, strict=True))]
+         for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
 def _solve(rows, cap, base: Profile, max_tokens, prompt_tokens, quadratic) -> Profile | None:
     """Least squares on step time (relative error) for one cap; None if no positive solution."""
     length = base.accept_length_general if base.speculative else 1.0
@@ -85,10 +100,11 @@ def _solve(rows, cap, base: Profile, max_tokens, prompt_tokens, quadratic) -> Pr
             return None
         xs.append(n)
         ys.append(step)
-    x, y = np.array(xs, float), np.array(ys, float)
-    cols = [np.ones_like(x), x] + ([x * x] if quadratic else [])
-    design = np.stack(cols, axis=1) / y[:, None]  # divide by y: minimise relative error
-    coef, *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+    # rows divided by y: minimise relative error
+    design = [[1.0 / y, x / y] + ([x * x / y] if quadratic else []) for x, y in zip(xs, ys, strict=True)]
+    coef = _least_squares(design, [1.0] * len(ys))
+    if coef is None:
+        return None
     if coef[0] <= 0 or coef[1] < 0 or (quadratic and coef[2] < 0):
         return None
     q = float(coef[2]) if quadratic else 0.0
