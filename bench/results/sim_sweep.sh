@@ -5,8 +5,8 @@
 # which still makes 4-5 batch waves).
 # One simulator per profile; before each level its clock speed is set (POST /_sim/speedup) so that the
 # stream rate stays near RATE chunks/s, what this 2-core machine carries next to the client: low levels run
-# at K=50, the busiest ones at K~5. `bench sweep --speedup K` reports throughput / K, in the table's units.
-# usage: RATE=5000 STEPS=1500 bash bench/results/sim_sweep.sh [OUT_DIR]
+# at K=25, the busiest ones at K~6.5. `bench sweep --speedup K` reports throughput / K, in the table's units.
+# usage: RATE=5000 STEPS=1500 KMAX=25 bash bench/results/sim_sweep.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-$(mktemp -d)}
@@ -14,9 +14,10 @@ RATE=${RATE:-5000}
 mkdir -p "$OUT"
 PY=.venv/bin/python
 LEVELS="1 2 5 10 30 70 100 250"
-# K per level: at most 50, and low enough that the stream carries at most RATE chunks/s and the engine runs
+# K per level: at most KMAX (25; higher K multiplies HTTP turnaround into simulated time), and low enough that the stream carries at most RATE chunks/s and the engine runs
 # at most STEPS decode steps/s (each step wakes the loop and every stream once)
 STEPS=${STEPS:-1500}
+KMAX=${KMAX:-25}
 start=$(date +%s.%N)
 declare -A K
 while read -r key k; do K[$key]=$k; done < <($PY - <<PYEOF
@@ -27,7 +28,7 @@ for name in ("eagle3-tp8", "baseline-tp8"):
     per_chunk = p.accept_length_general if p.speculative else 1.0
     for c in map(int, "$LEVELS".split()):
         n = min(c, p.max_running_requests)
-        k = min(50.0, $RATE / (predict(p, c, 512, 23) / per_chunk), $STEPS * p.step_ms(n) / 1000.0)
+        k = min($KMAX, $RATE / (predict(p, c, 512, 23) / per_chunk), $STEPS * p.step_ms(n) / 1000.0)
         print(f"{name}:{c} {k:.2f}")
 PYEOF
 )
