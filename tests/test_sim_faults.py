@@ -71,7 +71,7 @@ async def test_hang_sends_nothing(sim_factory):
 async def test_stall_after_chunks(sim_factory):
     sim = await sim_factory(speedup=500, faults={"stall_after_chunks": 3})
     got = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(sock_read=0.5)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(sock_read=1.0)) as s:
         async with s.post(sim.url + "/v1/chat/completions", json=STREAM) as r:
             assert r.status == 200
             with pytest.raises(TimeoutError):

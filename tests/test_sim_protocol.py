@@ -266,7 +266,7 @@ async def test_native_endpoints(sim_factory, sglang_protocol):
 
 
 async def test_health_is_503_during_startup_delay(sim_factory):
-    sim = await sim_factory(speedup=500, startup_delay=0.4)
+    sim = await sim_factory(speedup=500, startup_delay=1.0)
     async with aiohttp.ClientSession() as s:
         async with s.get(sim.url + "/health") as r:
             assert r.status == 503
