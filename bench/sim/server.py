@@ -275,11 +275,10 @@ class SimServer:
                 self.engine.abort(req)
 
     async def _whole(self, request: web.Request, body, req: SimRequest, chat: bool, faults: Faults):
-        created = int(time.time())
-        while True:
-            _, finished = await req.outbox.get()
-            if finished:
-                break
+        finished = False
+        while not finished:
+            finished = (await req.outbox.get_all())[-1][1]
+        created = int(time.time())  # SGLang stamps a whole response when it builds it
         if faults.drop_after_chunks is not None:
             self._count_fault("drop")
             await self._drop(request)
