@@ -25,6 +25,9 @@ SGLANG_DIR = Path(sysconfig.get_paths()["purelib"]) / "sglang"
 
 
 def _load_by_path(name: str, path: Path) -> types.ModuleType:
+    if not path.is_file():
+        raise RuntimeError(f"{path} not found: install the pinned wheel with "
+                           "`pip install --no-deps sglang==0.5.23` (scripts/install.sh does)")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pydantic look their module up here
