@@ -6,11 +6,12 @@
 # One simulator per profile; before each level its clock speed is set (POST /_sim/speedup) so that the
 # stream rate stays near RATE chunks/s, what this 2-core machine carries next to the client: low levels run
 # at K=25, the busiest ones at K~6.5. `bench sweep --speedup K` reports throughput / K, in the table's units.
-# usage: RATE=5000 STEPS=1500 KMAX=25 bash bench/results/sim_sweep.sh [OUT_DIR]
+# usage: RATE=5000 STEPS=1500 KMAX=25 SEED=seed_benchmark.csv bash bench/results/sim_sweep.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-$(mktemp -d)}
 RATE=${RATE:-5000}
+SEED=${SEED:-/work/shared/data/seed_benchmark.csv}
 mkdir -p "$OUT"
 PY=.venv/bin/python
 LEVELS="1 2 5 10 30 70 100 250"
@@ -49,12 +50,12 @@ for profile in eagle3-tp8 baseline-tp8; do
   kill "$pid"; wait "$pid" || true
 done
 end=$(date +%s.%N)
-$PY - "$OUT" "$start" "$end" <<'PYEOF'
+$PY - "$OUT" "$start" "$end" "$SEED" <<'PYEOF'
 import csv, sys
 from pathlib import Path
 out, t0, t1 = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 seed = {}
-for line in Path("/work/shared/data/seed_benchmark.csv").read_text().splitlines():
+for line in Path(sys.argv[4]).read_text().splitlines():
     if line and not line.startswith("#") and not line.startswith("concurrency"):
         c, e, b = line.split(",")
         seed[int(c)] = {"eagle3-tp8": float(e), "baseline-tp8": float(b)}
