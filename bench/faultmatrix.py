@@ -324,6 +324,8 @@ def render(results: list[dict]) -> str:
             detect = _fmt_s(r.get("detect_s"), "not ejected")
             failover = _fmt_s(r.get("failover_s"), "none")
             recover = _fmt_s(r.get("recover_s"), "n/a" if "recover_s" not in r else "not within the row")
+            if "recover_s" in r and not r.get("ejected_ever") and not r["failed_explicit"]:
+                recover += " (was never out)"
         gauges = "router exited" if r["gauges_after"] is None else ", ".join(
             f"{k} {v:g}" for k, v in r["gauges_after"].items())
         sims = ", ".join(f"{k} {'killed' if s is None else str(s['active']) + '/' + str(s['aborted'])}"
