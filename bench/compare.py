@@ -262,8 +262,7 @@ def _markdown(title, results, win, lines, calib, cmd, rows, threshold) -> str:
     if cmd:
         out += ["```", cmd, "```", ""]
     names = list(results)
-    out += ["Steady-state output throughput (tok/s while every client still had work; bench_serving's "
-            "`output_throughput` is in the .txt, .json and .csv) and the winners per level:", "",
+    out += ["Output throughput (tok/s, bench_serving's `output_throughput`) and the winners per level:", "",
             "| concurrency | " + " | ".join(names) + " | throughput winner | median-latency winner |",
             "|" + "---|" * (len(names) + 3)]
     for i, w in enumerate(win):
