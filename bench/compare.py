@@ -69,12 +69,14 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
         text = (f"c={c}: spillover@{threshold} {figures.tput(sp):.1f} tok/s vs best other "
                 f"({best}) {b:.1f} -> {ratio:.2f}x, {status}")
         if status == "BELOW":
-            text += "; " + explain(c, threshold, best, rec, spec, base, figures.tput(sp), b)
+            text += "; " + explain(c, threshold, best, rec, spec, base, figures.tput(sp), b,
+                                   sp.get("steady_output_throughput"))
         lines.append(text)
     return lines, rows
 
 
-def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float, other: float) -> str:
+def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float, other: float,
+            steady: float | None = None) -> str:
     """Why spillover trails `best` at `c`, in numbers from the pool curves (calibrate's model)."""
     if rec is None or spec is None or base is None:
         return "no calibration data to explain it (threshold given with --threshold)"
@@ -97,7 +99,11 @@ def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float,
                      f"over all levels against {rec.scores[threshold]:.3f} for {threshold}: one threshold cannot "
                      "follow the best split at every load")
     if e and e["spillover"] > 1.05 * measured:
-        parts.append(f"the run fell {1 - measured / e['spillover']:.0%} short of the model here")
+        note = f"the run fell {1 - measured / e['spillover']:.0%} short of the model here"
+        if steady is not None:
+            note += (f" (until its last request was sent it ran at {steady:.0f} tok/s: the closed loop's "
+                     "drain, where the slower of spillover's two request speeds finishes alone, costs the rest)")
+        parts.append(note)
     return "; ".join(parts)
 
 
