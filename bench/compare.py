@@ -154,11 +154,12 @@ def main(argv: list[str]) -> int:
 def _rerender(path: Path) -> int:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        text, md, _ = report(data)
-    except (OSError, ValueError, KeyError, TypeError, BenchInputError) as exc:
+        text, md, extra = report(data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, BenchInputError) as exc:
         print(f"bench compare: cannot re-render {path}: {type(exc).__name__} {exc}", file=sys.stderr)
         return 2
     print(text)
+    figures.plot(path.with_suffix(".png"), data["results"], title=extra["title"])
     path.with_suffix(".md").write_text(md, encoding="utf-8")
     path.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
     return 0

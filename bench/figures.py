@@ -245,6 +245,9 @@ def plot(path: Path, results: dict[str, list[dict]], title: str = "") -> Path:
         ax.set_xticks(xs)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if key == "median_ttft_ms":
+            ax.set_yscale("log")  # queueing at high load would flatten every other level to 0
+        ax.tick_params(axis="x", labelrotation=45, labelsize=8)
         ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
