@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-$(mktemp -d)}
 RATE=${RATE:-5000}
-SEED=${SEED:-/work/shared/data/seed_benchmark.csv}
+SEED=${SEED:-bench/data/seed_benchmark.csv}
 mkdir -p "$OUT"
 PY=.venv/bin/python
 LEVELS="1 2 5 10 30 70 100 250"
