@@ -163,7 +163,9 @@ async def test_metrics_on_a_separate_listener(sim_factory, router_factory):
 
 
 async def test_metrics_list_and_labels(sim_factory, router_factory):
-    sim = await sim_factory()
+    # A slow clock (one decode step ~10 ms) spaces the chunks, so the router sees several reads and records
+    # inter-token gaps even on a loaded machine.
+    sim = await sim_factory(speedup=1.0)
     router = await router_factory([], [sim.url], threshold=7)
     await call("POST", router.url + CHAT, data=json.dumps({**CHAT_BODY, "stream": True}).encode(),
                headers={"Content-Type": "application/json"})
