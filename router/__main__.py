@@ -90,11 +90,12 @@ async def serve(settings: Settings) -> int:
         print(f"router: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
-    print(f"listening on {url}", flush=True)
+    # Handlers go in before the line that tells a parent we are up, so its SIGTERM is never the default one.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {url}", flush=True)
     await stop.wait()
     logging.getLogger("router").info("shutting down: draining for up to %.0f s", settings.drain_timeout)
     # Stops accepting, waits for in-flight requests up to drain_timeout, then cancels the rest.

@@ -71,11 +71,12 @@ async def _serve(cfg: SimConfig, host: str, port: int) -> int:
         await server.close()
         print(f"bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    print(f"listening on {server.url}", flush=True)
+    # Handlers go in before the line that tells a parent we are up, so its SIGTERM is never the default one.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {server.url}", flush=True)
     await stop.wait()
     await server.close()
     return 0
