@@ -18,6 +18,7 @@ from bench.sweep import (
     run_sweep,
     write_outputs,
 )
+from router.policy import request_speed
 
 OBJECTIVES = ("throughput", "latency")
 SCORE_TIE = 0.005
@@ -115,6 +116,37 @@ def round_robin(spec, base, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[f
     return spec.throughput(cs) + base.throughput(c - cs), _mixed_median(spec, cs, base, c - cs)
 
 
+def curve_points(curve: Curve) -> tuple[tuple[float, float], ...]:
+    """The router's `*_curve` setting of one measured pool: (concurrency, tok/s) of each measured level."""
+    return tuple((float(c), round(t, 1)) for c, t in zip(curve.levels, curve.tput, strict=True))
+
+
+def curve_setting(curve: Curve) -> str:
+    """`*_curve` as a flag / env value: "1:77.5,2:125.1,..."."""
+    return ",".join(f"{c:g}:{t:g}" for c, t in curve_points(curve))
+
+
+def balanced_split(spec: Curve, base: Curve, c: int, n_spec: int = 1, n_base: int = 1) -> list[int]:
+    """In-flight requests per instance (speculative instances first) when the router's balanced policy
+    places `c` requests one at a time: each goes to the least-loaded instance of the pool whose
+    X(n+1)/(n+1) is higher, ties to speculative (router.policy.balanced, on the same curves)."""
+    sp, bp = curve_points(spec), curve_points(base)
+    counts = [0] * (n_spec + n_base)
+    for _ in range(c):
+        i = min(range(n_spec), key=lambda k: counts[k])
+        j = min(range(n_spec, n_spec + n_base), key=lambda k: counts[k])
+        counts[i if request_speed(sp, counts[i]) >= request_speed(bp, counts[j]) else j] += 1
+    return counts
+
+
+def balanced(spec: Curve, base: Curve, c: int, n_spec: int = 1, n_base: int = 1) -> tuple[float, float]:
+    """Expected (tok/s, median E2E ms) of the balanced policy at `c` concurrent requests."""
+    counts = balanced_split(spec, base, c, n_spec, n_base)
+    tput = sum(spec.throughput(k) for k in counts[:n_spec]) + sum(base.throughput(k) for k in counts[n_spec:])
+    cs = sum(counts[:n_spec])
+    return tput, _mixed_median(Fleet(spec, n_spec), cs, Fleet(base, n_base), c - cs)
+
+
 @dataclass
 class Recommendation:
     threshold: int
@@ -163,6 +195,7 @@ def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective
     expected = {}
     for c in levels:
         rr = round_robin(spec, base, c, n_spec, n_base)
+        bal = balanced(spec_curve, base_curve, c, n_spec, n_base)
         expected[c] = {
             "spillover": pred[threshold][c][0], "spillover_median_e2e_ms": pred[threshold][c][1],
             "best_threshold_here": best_per_level[c],
@@ -170,6 +203,8 @@ def recommend(spec_curve: Curve, base_curve: Curve, levels: list[int], objective
             "all-baseline": base.throughput(c), "all-baseline_median_e2e_ms": base.latency(c),
             "all-speculative": spec.throughput(c), "all-speculative_median_e2e_ms": spec.latency(c),
             "round-robin": rr[0], "round-robin_median_e2e_ms": rr[1],
+            "balanced": bal[0], "balanced_median_e2e_ms": bal[1],
+            "balanced_speculative_inflight": sum(balanced_split(spec_curve, base_curve, c, n_spec, n_base)[:n_spec]),
         }
     return Recommendation(threshold, objective, scores, best_per_level, expected,
                           diagnose(spec_curve, base_curve), worst)
@@ -211,12 +246,14 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
     out.append("expected curve (tok/s) next to the alternatives; 'best T here' is the threshold that "
                "would win at that level alone:")
     rows = [["conc", f"spillover@{rec.threshold}", "best T here", "(its tok/s)", "all-baseline",
-             "all-speculative", "round-robin", f"spill@{rec.threshold} E2E s"]]
+             "all-speculative", "round-robin", "balanced", "(spec in-flight)", f"spill@{rec.threshold} E2E s",
+             "balanced E2E s"]]
     for c in levels:
         e = rec.expected[c]
         rows.append([str(c), f"{e['spillover']:.1f}", str(e["best_threshold_here"]), f"{e['best_here']:.1f}",
                      f"{e['all-baseline']:.1f}", f"{e['all-speculative']:.1f}", f"{e['round-robin']:.1f}",
-                     f"{e['spillover_median_e2e_ms'] / 1000:.2f}"])
+                     f"{e['balanced']:.1f}", str(e["balanced_speculative_inflight"]),
+                     f"{e['spillover_median_e2e_ms'] / 1000:.2f}", f"{e['balanced_median_e2e_ms'] / 1000:.2f}"])
     out += _grid(rows)
     ranked = sorted(rec.scores.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
     what = "of the best throughput" if rec.objective == "throughput" else "of the lowest median latency"
@@ -231,7 +268,18 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
     else:
         out.append(f"expected worst level against all-baseline, all-speculative and round-robin: "
                    f"{rec.worst[rec.threshold]:.2f}x of the best of them")
+    out += ["", "balanced policy (no threshold: each request goes to the pool that would serve it faster, per "
+            "these curves of ONE instance each); ready-to-paste router config:",
+            "  policy: balanced",
+            f"  speculative_curve: {_yaml_points(curve_points(spec))}",
+            f"  baseline_curve: {_yaml_points(curve_points(base))}",
+            f"  (flags: --policy balanced --speculative-curve {curve_setting(spec)} "
+            f"--baseline-curve {curve_setting(base)})"]
     return "\n".join(out)
+
+
+def _yaml_points(points: tuple[tuple[float, float], ...]) -> str:
+    return "[" + ", ".join(f"[{c:g}, {t:g}]" for c, t in points) + "]"
 
 
 def _ranges(ts: list[int]) -> str:

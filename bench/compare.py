@@ -16,7 +16,7 @@ from bench.load import BenchInputError
 from bench.sweep import ArgError, SweepConfig, add_load_args, parser, run_async, run_sweep, write_outputs
 
 NOISE = 0.03  # closed-loop runs of a few requests per client repeat within about this fraction
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin")
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced")
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -54,7 +54,8 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
             spec: calibrate.Curve | None, base: calibrate.Curve | None) -> tuple[list[str], list[dict]]:
     """Per level: spillover against the best other configuration, and why when it is behind."""
     lines, rows = [], []
-    others = [n for n in results if n != "spillover"]
+    # Spillover is judged against the four configurations it was built to beat; balanced gets its own lines.
+    others = [n for n in results if n not in ("spillover", "balanced")]
     for i, sp in enumerate(results["spillover"]):
         c = sp["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -72,7 +73,32 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
             text += "; " + explain(c, threshold, best, rec, spec, base, figures.tput(sp), b,
                                    sp.get("steady_output_throughput"))
         lines.append(text)
+    if "balanced" in results:
+        lines += balanced_verdict(results, rec, rows)
     return lines, rows
+
+
+def balanced_verdict(results: dict[str, list[dict]], rec, rows: list[dict]) -> list[str]:
+    """Per level: balanced against the best of the other configurations (spillover included)."""
+    lines = []
+    others = [n for n in results if n != "balanced"]
+    for i, bal in enumerate(results["balanced"]):
+        c = bal["concurrency"]
+        best = max(others, key=lambda n: figures.tput(results[n][i]))
+        b = figures.tput(results[best][i])
+        ratio = figures.tput(bal) / b if b else float("inf")
+        status = "above" if ratio >= 1.0 else ("within noise" if ratio >= 1 - NOISE else "BELOW")
+        rows[i] |= {"balanced": figures.tput(bal), "balanced_best_other": best, "balanced_best_other_tput": b,
+                    "balanced_ratio": ratio, "balanced_status": status}
+        text = (f"c={c}: balanced {figures.tput(bal):.1f} tok/s vs best other ({best}) {b:.1f} -> "
+                f"{ratio:.2f}x, {status}")
+        e = rec.expected.get(c) if rec is not None else None
+        if e and "balanced" in e:
+            rows[i]["expected_balanced"] = e["balanced"]
+            text += (f" (the pool curves predict {e['balanced']:.0f} tok/s with {e['balanced_speculative_inflight']}"
+                     f" of {c} in flight on the speculative server)")
+        lines.append(text)
+    return lines
 
 
 def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float, other: float,
@@ -109,7 +135,7 @@ def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float,
 
 def main(argv: list[str]) -> int:
     p = parser("python -m bench compare",
-               "spillover (calibrated) vs all-baseline vs all-speculative vs round-robin on one pair of "
+               "spillover (calibrated) vs all-baseline vs all-speculative vs round-robin vs balanced on one pair of "
                "backends: simulated ones started here (default) or your own servers.")
     p.add_argument("--speculative-profile", default="eagle3-tp8", help="simulator profile (default eagle3-tp8)")
     p.add_argument("--baseline-profile", default="baseline-tp8", help="simulator profile (default baseline-tp8)")
@@ -204,13 +230,20 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
         threshold = rec.threshold
         print(calibrate.render(rec, spec_curve, base_curve, levels), file=sys.stderr)
     # Phase 2: both pools behind the two routers that choose between them.
+    # balanced runs on the curves phase 1 just measured, exactly as calibrate prints them for the router.
+    spec_pts = calibrate.curve_setting(calibrate.Curve.from_figs(single["all-speculative"]))
+    base_pts = calibrate.curve_setting(calibrate.Curve.from_figs(single["all-baseline"]))
+    bal = group.add(procs.start_router([spec_url], [base_url], "balanced", None, extra=[
+        "--speculative-curve", spec_pts, "--baseline-curve", base_pts]))
+    run_async(wait_routing(bal.url, ns.model))
     targets = [("spillover", router("spillover", True, True, threshold)),
-               ("round-robin", router("round-robin", True, True))]
+               ("round-robin", router("round-robin", True, True)), ("balanced", bal.url)]
     mixed = run_async(run_sweep(_cfg(ns, targets)))
     results = {n: (mixed | single)[n] for n in CONFIGS}
     cfg = _cfg(ns, []).as_dict() | {
         "speculative": spec_url if external else ns.speculative_profile,
         "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
+        "speculative_curve": spec_pts, "baseline_curve": base_pts,
         "objective": ns.objective, "command": cmd}
     # Other work on the host skews a closed-loop run; record how busy it was for whoever reads the results.
     host = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
@@ -243,12 +276,15 @@ def report(data: dict) -> tuple[str, str, dict]:
     lines, rows = verdict(results, rec, threshold, spec_curve, base_curve)
     title = f"bench compare: {cfg['speculative']} vs {cfg['baseline']}, spillover threshold {threshold}"
     text = [title, ""]
+    if "speculative_curve" in cfg:
+        text += [f"balanced ran with --speculative-curve {cfg['speculative_curve']} "
+                 f"--baseline-curve {cfg['baseline_curve']}", ""]
     if calib:
         text += ["calibration from the all-speculative and all-baseline runs:", calib, ""]
     text += [figures.render_table(results), "", "winners per level (throughput / median E2E latency):"]
     text += [f"  c={w['concurrency']}: {w['throughput_winner']} / {w['latency_winner']}" for w in win]
-    text += ["", f"verdict: spillover@{threshold} against the best other configuration "
-                 f"(noise band {NOISE:.0%}):"]
+    text += ["", f"verdict: spillover@{threshold} against the best other configuration, then balanced "
+                 f"against the best other configuration (noise band {NOISE:.0%}):"]
     text += ["  " + line for line in lines]
     if rec is not None:
         text.append("calibrate's expected spillover vs measured (tok/s): " + ", ".join(
@@ -284,7 +320,8 @@ def _markdown(title, results, win, lines, calib, cmd, rows, threshold) -> str:
             for n in names) + " |")
     failed = sum(f["failed"] for figs in results.values() for f in figs)
     out += ["", f"Failed requests: {failed}.", "",
-            f"Verdict (spillover at threshold {threshold} vs the best other configuration):", ""]
+            f"Verdict (spillover at threshold {threshold} vs the best other configuration; then balanced vs "
+            "the best other configuration):", ""]
     out += [f"- {line}" for line in lines]
     if calib:
         out += ["", "Calibration (from the all-speculative and all-baseline runs above):", "", "```", calib, "```"]

@@ -17,7 +17,11 @@ PINNED = "pinned"
 LEAST = "least_inflight"
 ROUND_ROBIN = "round_robin"
 RETRY = "retry"
-REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY)
+FASTER = "faster_pool"
+REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER)
+
+# A measured closed-loop curve of ONE instance: (concurrency, output tok/s) points, concurrency increasing.
+CurvePoints = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,41 @@ def global_threshold(loads: Sequence[BackendLoad], threshold: int, hysteresis: i
     return _in_pool(loads, BASELINE, ABOVE, new, rng)
 
 
+def curve_throughput(points: CurvePoints, c: float) -> float:
+    """Output tok/s of one instance at `c` in flight: linear between points, 0 at 0, flat beyond the last."""
+    if c <= 0:
+        return 0.0
+    x0, y0 = 0.0, 0.0
+    for x1, y1 in points:
+        if c <= x1:
+            return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+        x0, y0 = x1, y1
+    return y0
+
+
+def request_speed(points: CurvePoints, inflight: int) -> float:
+    """Tok/s a new request would get on an instance already holding `inflight`: X(n+1)/(n+1); beyond the
+    curve's last point this falls as 1/n, which is how a saturated server's queue behaves."""
+    return curve_throughput(points, inflight + 1) / (inflight + 1)
+
+
+def balanced(loads: Sequence[BackendLoad], curves: tuple[CurvePoints, CurvePoints], state: PolicyState,
+             rng: random.Random) -> Decision | None:
+    """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative).
+    Greedily equalising per-request speed follows the best split as load grows, which no fixed threshold can."""
+    spec, base = _healthy(loads, SPECULATIVE), _healthy(loads, BASELINE)
+    if not spec or not base:
+        pool = SPECULATIVE if spec else BASELINE
+        down = other(pool)
+        # Only one pool can serve: failover if the other is configured but down, else it is the only choice.
+        reason = FAILOVER if any(b.pool == down for b in loads) else FASTER
+        return _in_pool(loads, pool, reason, state, rng)
+    bs, bb = _least(spec, rng), _least(base, rng)
+    if request_speed(curves[0], bs.inflight) >= request_speed(curves[1], bb.inflight):
+        return Decision(bs.url, SPECULATIVE, FASTER, state)
+    return Decision(bb.url, BASELINE, FASTER, state)
+
+
 def least_inflight(loads: Sequence[BackendLoad], state: PolicyState, rng: random.Random) -> Decision | None:
     cands = _healthy(loads)
     if not cands:
@@ -117,8 +156,10 @@ def round_robin(loads: Sequence[BackendLoad], state: PolicyState) -> Decision | 
 
 def decide(loads: Sequence[BackendLoad], *, policy: str, threshold: int, hysteresis: int = 0,
            state: PolicyState = PolicyState(), pinned: str | None = None,
-           rng: random.Random | None = None) -> Decision | None:
-    """Choose a backend for a new request; None when no backend at all is healthy."""
+           rng: random.Random | None = None,
+           curves: tuple[CurvePoints, CurvePoints] | None = None) -> Decision | None:
+    """Choose a backend for a new request; None when no backend at all is healthy.
+    `curves` (speculative, baseline) are the per-instance throughput curves the balanced policy needs."""
     rng = rng or random.Random()
     if pinned is not None:
         return _in_pool(loads, pinned, PINNED, state, rng)
@@ -130,6 +171,10 @@ def decide(loads: Sequence[BackendLoad], *, policy: str, threshold: int, hystere
         return least_inflight(loads, state, rng)
     if policy == "round-robin":
         return round_robin(loads, state)
+    if policy == "balanced":
+        if curves is None:
+            raise ValueError("the balanced policy needs both throughput curves")
+        return balanced(loads, curves, state, rng)
     raise ValueError(f"unknown policy {policy!r}")
 
 

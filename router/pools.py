@@ -5,7 +5,7 @@ import random
 from collections.abc import Iterable
 
 from router.metrics import Metrics
-from router.policy import POOLS, BackendLoad, Decision, PolicyState, decide, retry_target
+from router.policy import POOLS, BackendLoad, CurvePoints, Decision, PolicyState, decide, retry_target
 
 
 class Backend:
@@ -102,7 +102,8 @@ class Pools:
 
     def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str, threshold: int,
                  hysteresis: int = 0, keys: dict[str, str | None] | None = None,
-                 metrics: Metrics | None = None, rng: random.Random | None = None) -> None:
+                 metrics: Metrics | None = None, rng: random.Random | None = None,
+                 curves: tuple[CurvePoints, CurvePoints] | None = None) -> None:
         keys = keys or {}
         self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative")) for u in speculative]
         self.backends += [Backend(u, "baseline", keys.get("baseline")) for u in baseline]
@@ -110,6 +111,7 @@ class Pools:
         self.policy = policy
         self.threshold = threshold
         self.hysteresis = hysteresis
+        self.curves = curves
         self.state = PolicyState()
         self.rng = rng or random.Random()
         if metrics is not None:
@@ -134,7 +136,7 @@ class Pools:
     def acquire(self, pinned: str | None = None) -> tuple[Lease, Decision] | None:
         """Decide and take the lease with no await in between, so concurrent requests see exact counts."""
         d = decide(self.loads(), policy=self.policy, threshold=self.threshold, hysteresis=self.hysteresis,
-                   state=self.state, pinned=pinned, rng=self.rng)
+                   state=self.state, pinned=pinned, rng=self.rng, curves=self.curves)
         if d is None:
             return None
         self.state = d.state

@@ -11,8 +11,8 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
-PolicyName = Literal["spillover", "global", "least-inflight", "round-robin"]
-POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin")
+PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced"]
+POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced")
 ENV_PREFIX = "ROUTER_"
 
 
@@ -51,6 +51,44 @@ def _check_url(url: str) -> str:
 
 
 UrlList = Annotated[list[str], NoDecode]
+CurveSetting = Annotated[tuple[tuple[float, float], ...] | None, NoDecode]
+
+
+def _split_curve(value: Any) -> Any:
+    # Env vars and flags give "1:77.5,2:125.1,..." (or JSON); YAML gives a list of [c, tok_s] pairs.
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text:
+        return None
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError("curve is not valid JSON") from None
+    points = []
+    for part in text.split(","):
+        c, sep, tok = part.strip().partition(":")
+        try:
+            points.append((float(c), float(tok)))
+        except ValueError:
+            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)") from None
+        if not sep:
+            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)")
+    return points
+
+
+def _check_curve(points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:
+    if points is None:
+        return None
+    if len(points) < 2:
+        raise ValueError("a curve needs at least 2 points CONCURRENCY:TOK_S")
+    for c, tok in points:
+        if c <= 0 or tok <= 0:
+            raise ValueError(f"curve point {c:g}:{tok:g}: concurrency and tok/s must be positive")
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError("curve concurrencies must increase")
+    return points
 
 
 class Settings(BaseSettings):
@@ -66,6 +104,12 @@ class Settings(BaseSettings):
     policy: PolicyName = Field("spillover", description="routing policy")
     threshold: int = Field(32, ge=0, description="spillover: in-flight per speculative instance; global: total in-flight")
     hysteresis: int = Field(0, ge=0, description="global policy: go back to speculative only below threshold - hysteresis")
+
+    speculative_curve: CurveSetting = Field(
+        None, description="balanced policy: measured output tok/s of ONE speculative instance vs concurrency, "
+        "\"1:77.5,2:125.1,...\" (YAML: list of [c, tok_s]); `python -m bench calibrate` prints it")
+    baseline_curve: CurveSetting = Field(
+        None, description="balanced policy: the same for ONE baseline instance")
 
     load_signal: Literal["local", "backend"] = Field(
         "local", description="local: this router's own in-flight counts; backend: also poll each backend's "
@@ -111,6 +155,22 @@ class Settings(BaseSettings):
             raise ValueError("a backend URL is listed twice")
         return urls
 
+    @field_validator("speculative_curve", "baseline_curve", mode="before")
+    @classmethod
+    def _curve_in(cls, value: Any) -> Any:
+        return _split_curve(value)
+
+    @field_validator("speculative_curve", "baseline_curve")
+    @classmethod
+    def _valid_curve(cls, value: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:
+        return _check_curve(value)
+
+    def curves(self) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]] | None:
+        """(speculative, baseline) curves when both are set, for the balanced policy."""
+        if self.speculative_curve is None or self.baseline_curve is None:
+            return None
+        return self.speculative_curve, self.baseline_curve
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if not self.speculative and not self.baseline:
@@ -120,6 +180,9 @@ class Settings(BaseSettings):
             raise ValueError(f"backend {sorted(both)[0]} is in both pools")
         if (self.metrics_host is None) != (self.metrics_port is None):
             raise ValueError("metrics_host and metrics_port go together")
+        if self.policy == "balanced" and self.curves() is None:
+            raise ValueError("policy balanced needs speculative_curve and baseline_curve "
+                             "(measured tok/s per instance; `python -m bench calibrate` prints both)")
         return self
 
 
