@@ -1,21 +1,25 @@
-"""Table tests of the pure routing policies and of leases and pools (no sockets)."""
+"""Table tests of the pure routing policies and of leases and pools; one balanced-policy test through real sockets."""
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+import aiohttp
 import pytest
 
 from router.policy import (
     ABOVE,
     BELOW,
     FAILOVER,
+    FASTER,
     LEAST,
     PINNED,
     ROUND_ROBIN,
     BackendLoad,
     PolicyState,
+    curve_throughput,
     decide,
+    request_speed,
     retry_target,
 )
 from router.pools import Backend, Pools
@@ -192,3 +196,121 @@ def test_pool_leases_under_random_endings_return_to_zero():
     for lease in live:
         lease.release()
     assert [b.inflight for b in pools.backends] == [0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------- balanced: curves of ONE instance each
+
+# /work/shared/data/seed_benchmark.csv: eagle3 is slower than baseline even alone.
+SEED_SPEC = ((1, 77.5), (2, 125.1), (5, 183.2), (10, 239.6), (30, 299.5), (70, 337.7), (100, 338.8), (250, 340.9))
+SEED_BASE = ((1, 92.6), (2, 159.7), (5, 292.5), (10, 457.2), (30, 711.0), (70, 784.2), (100, 761.6), (250, 772.1))
+# eagle3-good-tp8's measured curve: faster alone, slower from ~30 in flight.
+GOOD_SPEC = ((1, 141.7), (2, 230.3), (5, 340.7), (10, 474.4), (30, 581.9), (70, 606.6), (100, 600.3), (250, 604.2))
+SEED, GOOD = (SEED_SPEC, SEED_BASE), (GOOD_SPEC, SEED_BASE)
+
+
+def test_curve_interpolation_and_request_speed():
+    assert curve_throughput(SEED_SPEC, 0) == 0.0
+    assert curve_throughput(SEED_SPEC, 0.5) == pytest.approx(77.5 / 2)
+    assert curve_throughput(SEED_SPEC, 3) == pytest.approx(125.1 + (183.2 - 125.1) / 3)
+    assert curve_throughput(SEED_SPEC, 10_000) == 340.9  # flat beyond the last point
+    assert request_speed(SEED_BASE, 0) == 92.6
+    assert request_speed(SEED_BASE, 1) == pytest.approx(159.7 / 2)
+    # Saturated: the per-request speed keeps falling as 1/n (the queue), never levels off.
+    assert request_speed(SEED_BASE, 999) == pytest.approx(772.1 / 1000)
+
+
+BALANCED_TABLE = [
+    # (curves, loads, pinned, pool, url, reason)
+    (SEED, snap(0, 0), None, "baseline", B1, FASTER),  # seed: baseline is faster alone, so it gets the first
+    (SEED, snap(0, 1), None, "baseline", B1, FASTER),  # 159.7/2 = 79.9 > 77.5
+    (SEED, snap(0, 2), None, "speculative", S1, FASTER),  # 204.0/3 = 68.0 < 77.5
+    (GOOD, snap(0, 0), None, "speculative", S1, FASTER),  # good profile: speculative first
+    (GOOD, snap(1, 0), None, "speculative", S1, FASTER),  # 2 there: 230.3/2 = 115.2 > 92.6
+    (GOOD, snap(2, 0), None, "baseline", B1, FASTER),  # 3 there: 267.1/3 = 89.0 < 92.6
+    ((SEED_BASE, SEED_BASE), snap(4, 4), None, "speculative", S1, FASTER),  # a tie goes to speculative
+    (GOOD, snap(5, 0, s2=1), None, "speculative", S2, FASTER),  # the least-loaded instance of the pool
+    (SEED, snap(0, 5, b2=1), None, "baseline", B2, FASTER),
+    (GOOD, snap(0, 0, s1_up=False), None, "baseline", B1, FAILOVER),  # one pool down -> the other
+    (SEED, snap(0, 0, b1_up=False), None, "speculative", S1, FAILOVER),
+    (GOOD, snap(9, 0, s2=0, s2_up=False), None, "baseline", B1, FASTER),  # a down instance is not least
+    (SEED, snap(0, 0), "speculative", "speculative", S1, PINNED),  # the pinned header still wins
+    (GOOD, snap(0, 0), "baseline", "baseline", B1, PINNED),
+]
+
+
+@pytest.mark.parametrize(("curves", "loads", "pinned", "pool", "url", "reason"), BALANCED_TABLE)
+def test_balanced(curves, loads, pinned, pool, url, reason):
+    d = decide(loads, policy="balanced", threshold=0, curves=curves, pinned=pinned, rng=random.Random(1))
+    assert (d.pool, d.url, d.reason) == (pool, url, reason)
+
+
+def test_balanced_with_one_pool_configured_and_none_healthy():
+    only = [BackendLoad(B1, "baseline", 7, True)]
+    d = decide(only, policy="balanced", threshold=0, curves=SEED)
+    assert (d.url, d.reason) == (B1, FASTER)  # not a failover: there is no other pool
+    assert decide(snap(0, 0, s1_up=False, b1_up=False), policy="balanced", threshold=0, curves=SEED) is None
+    with pytest.raises(ValueError, match="curves"):
+        decide(snap(0, 0), policy="balanced", threshold=0)
+
+
+def _greedy(curves, n: int, n_spec: int = 1, n_base: int = 1) -> Counter:
+    """Place n requests one at a time with the real policy, counting each decision as a lease."""
+    urls = [f"http://s{i}:1" for i in range(n_spec)] + [f"http://b{i}:1" for i in range(n_base)]
+    counts = dict.fromkeys(urls, 0)
+    for _ in range(n):
+        loads = [BackendLoad(u, "speculative" if u.startswith("http://s") else "baseline", k, True)
+                 for u, k in counts.items()]
+        counts[decide(loads, policy="balanced", threshold=0, curves=curves, rng=random.Random(0)).url] += 1
+    return Counter({pool: sum(k for u, k in counts.items() if u.startswith(f"http://{pool[0]}"))
+                    for pool in ("speculative", "baseline")})
+
+
+@pytest.mark.parametrize("curves", [SEED, GOOD])
+def test_balanced_split_tends_to_throughput_ratio_at_saturation(curves):
+    # Far beyond both curves' last points each request's speed is X_last/(n+1): equal speeds mean the
+    # in-flight counts split as the two saturated throughputs do.
+    split = _greedy(curves, 5000)
+    want = curves[0][-1][1] / curves[1][-1][1]
+    assert split["speculative"] / split["baseline"] == pytest.approx(want, rel=0.01)
+
+
+def test_balanced_split_grows_with_load_on_the_good_profile():
+    spec = [_greedy(GOOD, c)["speculative"] for c in (1, 5, 30, 250)]
+    assert spec[0] == 1 and spec == sorted(spec) and spec[-1] > 8 * 5  # far beyond one fixed threshold
+
+
+def test_balanced_spreads_over_instances_of_a_pool():
+    split = _greedy(GOOD, 40, n_spec=2, n_base=2)
+    assert split == _greedy(GOOD, 20) + _greedy(GOOD, 20)  # two identical halves of the deployment
+
+
+def test_pools_pass_curves_to_balanced():
+    pools = Pools([S1], [B1], policy="balanced", threshold=0, curves=SEED)
+    for b in pools.backends:
+        b.probe_ok(1)
+    leases = [pools.acquire()[0] for _ in range(6)]
+    assert Counter(lease.backend.url for lease in leases) == {S1: 2, B1: 4}
+
+
+async def test_balanced_through_real_sockets(sim_factory, router_factory):
+    # Streams stall after their first chunk, so all six overlap and each decision sees the previous ones.
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2000,
+            "ignore_eos": True}
+    spec = await sim_factory("eagle3-tp8", speedup=1.0, faults={"stall_after_chunks": 1})
+    base = await sim_factory("baseline-tp8", speedup=1.0, faults={"stall_after_chunks": 1})
+    curve = ",".join(f"{c}:{t}" for c, t in SEED_SPEC), ",".join(f"{c}:{t}" for c, t in SEED_BASE)
+    router = await router_factory([spec.url], [base.url], policy="balanced", speculative_curve=curve[0],
+                                  baseline_curve=curve[1])
+    async with aiohttp.ClientSession() as s:
+        first = await s.post(router.url + "/v1/chat/completions", json=body)
+        rest = [await s.post(router.url + "/v1/chat/completions", json=body) for _ in range(5)]
+        resps = [first, *rest]
+        try:
+            assert all(r.status == 200 for r in resps)
+            assert first.headers["X-Router-Pool"] == "baseline"
+            assert Counter(r.headers["X-Router-Pool"] for r in resps) == {"speculative": 2, "baseline": 4}
+            assert router.metric("router_route_decisions_total", pool="baseline", reason="faster_pool") == 4
+        finally:
+            for r in resps:
+                r.close()
+    assert await router.wait_idle() == {spec.url: 0, base.url: 0}
