@@ -50,6 +50,19 @@ def test_example_config_is_valid():
     ("speculative: ['http://u:secret@x:1']", {}, {}, "must not carry credentials"),
     ("speculative: [http://x:1]", {}, {"metrics_port": "9"}, "go together"),
     ("speculative: [http://x:1]", {}, {"connect_timeout": "0"}, "connect_timeout"),
+    ("speculative: [http://x:1]\npolicy: balanced", {}, {}, "needs speculative_curve and baseline_curve"),
+    ("speculative: [http://x:1]\npolicy: balanced\nspeculative_curve: [[1, 5], [2, 8]]", {}, {},
+     "needs speculative_curve and baseline_curve"),
+    ("speculative: [http://x:1]\nspeculative_curve: [[1, 5]]", {}, {}, "at least 2 points"),
+    ("speculative: [http://x:1]\nspeculative_curve: [[2, 5], [1, 8]]", {}, {}, "must increase"),
+    ("speculative: [http://x:1]\nspeculative_curve: [[1, 5], [1, 8]]", {}, {}, "must increase"),
+    ("speculative: [http://x:1]", {"ROUTER_BASELINE_CURVE": "1:5,2:0"}, {}, "must be positive"),
+    ("speculative: [http://x:1]", {"ROUTER_BASELINE_CURVE": "0:5,2:7"}, {}, "must be positive"),
+    ("speculative: [http://x:1]", {}, {"baseline_curve": "1:5,2"}, "bad curve point '2'"),
+    ("speculative: [http://x:1]", {}, {"baseline_curve": "1:5,two:7"}, "bad curve point"),
+    ("speculative: [http://x:1]", {}, {"baseline_curve": "[[1, 5], [2"}, "not valid JSON"),
+    ("speculative: [http://x:1]\nbaseline_curve: [[1, 5, 3], [2, 7]]", {}, {}, "baseline_curve"),
+    ("speculative: [http://x:1]\nbaseline_curve: fast", {}, {}, "bad curve point"),
 ])
 def test_invalid_settings_name_the_problem(tmp_path, yaml_text, env, flags, needle):
     cfg = tmp_path / "r.yaml"
@@ -58,6 +71,19 @@ def test_invalid_settings_name_the_problem(tmp_path, yaml_text, env, flags, need
         load_settings(str(cfg), flags, environ=env)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_balanced_curves_from_yaml_env_and_flags(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("speculative: [http://s:1]\nbaseline: [http://b:1]\npolicy: balanced\n"
+                   "speculative_curve: [[1, 141.7], [5, 340.7], [250, 604.2]]\nbaseline_curve: '1:92.6,2:159.7'\n")
+    s = load_settings(str(cfg), {}, environ={})
+    assert s.curves() == (((1, 141.7), (5, 340.7), (250, 604.2)), ((1, 92.6), (2, 159.7)))
+    s = load_settings(str(cfg), {"speculative_curve": " 1:10, 2:15 "},
+                      environ={"ROUTER_BASELINE_CURVE": "[[1, 9], [4, 30]]"})
+    assert s.curves() == (((1, 10), (2, 15)), ((1, 9), (4, 30)))
+    # Curves are optional for every other policy.
+    assert load_settings(None, {"speculative": "http://s:1"}, environ={}).curves() is None
 
 
 def test_unreadable_file():
@@ -78,6 +104,9 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     ("serve", "--config", "/nonexistent.yaml"),
     ("serve", "--no-such-flag"),
     ("serve", "--speculative", "http://127.0.0.1:1", "--threshold", "many"),
+    ("serve", "--speculative", "http://127.0.0.1:1", "--policy", "balanced"),
+    ("serve", "--speculative", "http://127.0.0.1:1", "--policy", "balanced", "--speculative-curve", "1:5,x:3",
+     "--baseline-curve", "1:2,2:3"),
     ("frobnicate",),
 ])
 def test_cli_bad_config_is_one_line_exit_2(args):
