@@ -1,7 +1,11 @@
 """Calibration model against hand-computed values, and the verdict/winner logic of compare."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from bench import calibrate, compare
 from bench.calibrate import Curve
@@ -122,3 +126,89 @@ def test_near_tie_broken_by_worst_level_against_alternatives():
     text = calibrate.render(rec, spec, base, levels)
     assert f"recommended spillover threshold: {rec.threshold}" in text
     assert calibrate._ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+
+
+# ---------------------------------------------------------------- the balanced policy's model
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_balanced_split_by_hand():
+    # c=2: speculative already holds 1 (15/2 = 7.5) vs an idle baseline (8) -> baseline
+    assert calibrate.balanced_split(SPEC, BASE, 1) == [1, 0]
+    assert calibrate.balanced_split(SPEC, BASE, 2) == [1, 1]
+    assert calibrate.balanced_split(SPEC, BASE, 3) == [1, 2]  # 7.5 < B(2)/2 = 8
+    assert calibrate.balanced_split(SPEC, BASE, 4) == [2, 2]  # 7.5 > B(3)/3 = 16/3
+    assert calibrate.balanced(SPEC, BASE, 3)[0] == pytest.approx(10.0 + 16.0)
+    # two instances each: the four requests spread one per instance
+    assert calibrate.balanced_split(SPEC, BASE, 4, 2, 2) == [1, 1, 1, 1]
+
+
+def test_balanced_model_places_requests_as_the_router_does():
+    from router.policy import BackendLoad, decide
+
+    spec, base = _curve({1: 141.7, 5: 340.7, 30: 581.9}), _curve({1: 92.3, 10: 455.3, 70: 745.9})
+    curves = (calibrate.curve_points(spec), calibrate.curve_points(base))
+    n = [0, 0]
+    for c in range(1, 120):
+        loads = [BackendLoad("s", "speculative", n[0], True), BackendLoad("b", "baseline", n[1], True)]
+        n[0 if decide(loads, policy="balanced", threshold=0, curves=curves).pool == "speculative" else 1] += 1
+        assert calibrate.balanced_split(spec, base, c) == n
+
+
+@pytest.mark.parametrize("profile", ["eagle3-good-tp8", "eagle3-tp8"])
+def test_balanced_predicted_against_spillover_and_round_robin(profile):
+    """On the committed calibrate curves: balanced is no worse than spillover at the calibrated threshold
+    and round-robin on average over the levels, ahead of both from 70 clients up, and never more than 4%
+    behind the better of them at any level (speed-equalising is not exactly throughput-optimal mid-range)."""
+    data = json.loads((RESULTS / f"calibrate-{profile}-baseline-tp8.json").read_text())
+    spec = Curve.from_figs(data["results"]["speculative"])
+    base = Curve.from_figs(data["results"]["baseline"])
+    levels = sorted(set(spec.levels) & set(base.levels))
+    rec = calibrate.recommend(spec, base, levels)
+    e = rec.expected
+    for other in ("spillover", "round-robin"):
+        assert sum(e[c]["balanced"] / e[c][other] for c in levels) / len(levels) >= 1.0, other
+    for c in levels:
+        best = max(e[c]["spillover"], e[c]["round-robin"])
+        assert e[c]["balanced"] >= 0.96 * best, c
+        if c >= 70:
+            assert e[c]["balanced"] >= best, c
+
+
+def test_render_prints_a_config_the_router_accepts(tmp_path):
+    from router.settings import load_settings
+
+    spec, base = _curve({1: 141.7, 5: 340.7, 30: 581.9}), _curve({1: 92.3, 10: 455.3, 70: 745.9})
+    rec = calibrate.recommend(spec, base, [1, 5, 30])
+    text = calibrate.render(rec, spec, base, [1, 5, 30])
+    block = text[text.index("  policy: balanced"):].splitlines()[:3]
+    cfg = yaml.safe_load("\n".join(line.strip() for line in block))
+    s = load_settings(None, {**cfg, "speculative": "http://s:1", "baseline": "http://b:1"}, environ={})
+    assert s.curves() == (calibrate.curve_points(spec), calibrate.curve_points(base))
+    flags = text[text.index("--speculative-curve"):].split()
+    s = load_settings(None, {"policy": "balanced", "speculative": "http://s:1", "speculative_curve": flags[1],
+                             "baseline_curve": flags[3].rstrip(")")}, environ={})
+    assert s.curves() == (calibrate.curve_points(spec), calibrate.curve_points(base))
+
+
+def test_verdict_judges_balanced_against_the_best_other():
+    results = {
+        "spillover": [_fig(1, 10.0, 900.0), _fig(2, 18.0, 1000.0)],
+        "all-baseline": [_fig(1, 8.0, 800.0), _fig(2, 16.0, 1200.0)],
+        "all-speculative": [_fig(1, 10.0, 950.0), _fig(2, 15.0, 1300.0)],
+        "round-robin": [_fig(1, 9.0, 850.0), _fig(2, 18.5, 1100.0)],
+        "balanced": [_fig(1, 10.0, 900.0), _fig(2, 20.0, 900.0)],
+    }
+    assert compare.winners(results)[1]["throughput_winner"] == "balanced"
+    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    # spillover is still judged against the four configurations it was built to beat
+    assert rows[1]["best_other"] == "round-robin"
+    assert rows[0]["balanced_status"] == "above" and rows[1]["balanced_best_other"] == "round-robin"
+    assert rows[1]["balanced_ratio"] == pytest.approx(20.0 / 18.5)
+    assert rows[1]["expected_balanced"] == pytest.approx(18.0)
+    assert lines[3].startswith("c=2: balanced 20.0 tok/s vs best other (round-robin) 18.5 -> 1.08x, above")
+    results["balanced"][1]["output_throughput"] = 14.0
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    assert rows[1]["balanced_status"] == "BELOW" and rows[1]["balanced_best_other"] == "round-robin"
