@@ -31,6 +31,8 @@ def _metavar(annotation: object) -> str:
     kind = args[0]
     if typing.get_origin(kind) is typing.Literal:
         return "{" + ",".join(typing.get_args(kind)) + "}"
+    if typing.get_origin(kind) is tuple:
+        return "C:TOK_S,..."  # a throughput curve
     return {int: "N", float: "SECONDS", str: "TEXT"}.get(kind, "KEY")  # type: ignore[call-overload]
 
 
