@@ -113,7 +113,21 @@ def test_demo_small(tmp_path, capsys):
     out = cap.out
     assert rc == 0, cap.err
     assert "output throughput (tok/s)" in out and f"plot: {tmp_path / 'demo.png'}" in out
+    assert "router (balanced, on the profiles' model curves)" in out
     assert (tmp_path / "demo.png").exists()
+
+
+def test_demo_model_curve_is_the_profiles_prediction():
+    from bench.sim import fit
+    from bench.sim.profiles import load_profile
+
+    points = [tuple(map(float, p.split(":"))) for p in demo.model_curve("eagle3-tp8", 512).split(",")]
+    assert [c for c, _ in points] == list(demo.CURVE_LEVELS)
+    prof = load_profile("eagle3-tp8")
+    for c, tok in points:
+        assert tok == pytest.approx(fit.predict(prof, int(c), 512, demo.PROMPT_TOKENS), abs=0.05)
+    # the seed profile's model reproduces the measured table's first row (77.5 tok/s at concurrency 1)
+    assert points[0][1] == pytest.approx(77.5, rel=0.02)
 
 
 def test_procs_start_and_stop_sim():
