@@ -9,6 +9,7 @@ import aiohttp
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
+from router.tasks import cancel
 
 log = logging.getLogger("router.health")
 
@@ -26,7 +27,7 @@ class HealthChecker:
 
     async def probe(self, b: Backend) -> None:
         s = self.settings
-        headers = {"Authorization": f"Bearer {b.api_key}"} if b.api_key else None
+        headers = b.auth_headers
         was = b.healthy
         assert self.session is not None
         try:
@@ -67,12 +68,7 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self.session is not None:
             await self.session.close()

@@ -9,6 +9,7 @@ import aiohttp
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
+from router.tasks import cancel
 
 log = logging.getLogger("router.loads")
 
@@ -40,7 +41,7 @@ class LoadPoller:
         self._task: asyncio.Task | None = None
 
     async def poll(self, b: Backend) -> None:
-        headers = {"Authorization": f"Bearer {b.api_key}"} if b.api_key else None
+        headers = b.auth_headers
         load = None
         try:
             async with asyncio.timeout(self.settings.health_timeout):
@@ -66,10 +67,5 @@ class LoadPoller:
         self._task = asyncio.create_task(self._loop(), name="router-loads")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel(self._task)
+        self._task = None

@@ -31,6 +31,11 @@ class Backend:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def auth_headers(self) -> dict[str, str] | None:
+        """The pool's own backend key for side requests (probes, load polls, model lists)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+
     def report(self, load: int | None) -> None:
         self.reported = load
         self._inflight_at_report = self._inflight

@@ -30,7 +30,7 @@ from router.errors import (
     sse_error_event,
 )
 from router.policy import POOLS, RETRY
-from router.pools import Lease
+from router.pools import Backend, Lease
 from router.state import STATE, RouterState
 from router.upstream import FIRST_BYTE, IDLE, map_error
 
@@ -429,11 +429,10 @@ async def models(request: web.Request) -> web.Response:
     session = st.session
     backends = [b for b in st.pools.backends if b.healthy]
 
-    async def fetch(url: str, key: str | None) -> list:
-        headers = {"Authorization": f"Bearer {key}"} if key else None
+    async def fetch(b: Backend) -> list:
         try:
             async with asyncio.timeout(st.settings.health_timeout):
-                async with session.get(url + "/v1/models", headers=headers) as resp:
+                async with session.get(b.url + "/v1/models", headers=b.auth_headers) as resp:
                     if resp.status != 200:
                         return []
                     got = await resp.json(content_type=None)
@@ -442,7 +441,7 @@ async def models(request: web.Request) -> web.Response:
         data = got.get("data") if isinstance(got, dict) else None
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []
 
-    lists = await asyncio.gather(*(fetch(b.url, b.api_key) for b in backends))
+    lists = await asyncio.gather(*(fetch(b) for b in backends))
     seen: dict[str, dict] = {}
     for entries in lists:
         for entry in entries:
