@@ -5,6 +5,7 @@ import random
 from collections.abc import Iterable
 
 from router.metrics import Metrics
+from router.observe import REFUSED, Attempt, Observation
 from router.policy import POOLS, BackendLoad, CurvePoints, Decision, PolicyState, decide, retry_target
 
 
@@ -150,3 +151,12 @@ class Pools:
     def acquire_retry(self, failed: Backend) -> Lease | None:
         target = retry_target(self.loads(), failed.url, failed.pool, self.rng)
         return None if target is None else self.by_url[target.url].lease()
+
+    # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
+    def report_attempt(self, backend: Backend, attempt: Attempt) -> None:
+        """Called once per upstream attempt, as soon as its outcome is known (headers or a failure)."""
+        if attempt.kind == REFUSED:
+            backend.refused()
+
+    def report_done(self, backend: Backend, obs: Observation) -> None:
+        """Called once per finished exchange, just before its lease is released."""

@@ -24,10 +24,19 @@ from router.errors import (
     RouterError,
     ShuttingDown,
     Unauthorized,
-    UpstreamConnectError,
     UpstreamError,
     error_response,
     sse_error_event,
+)
+from router.observe import (
+    CONNECT_TIMEOUT,
+    DISCONNECTED,
+    FIRST_BYTE_TIMEOUT,
+    IDLE_TIMEOUT,
+    OK,
+    REFUSED,
+    Attempt,
+    Observation,
 )
 from router.policy import POOLS, RETRY
 from router.pools import Backend, Lease
@@ -40,6 +49,9 @@ POOL_HEADER = "X-Router-Pool"
 BACKEND_HEADER = "X-Router-Backend"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RETRY_STATUSES = frozenset((502, 503))
+# Transport error kinds (router.errors) as attempt outcomes (router.observe).
+_ATTEMPT_KIND = {"connect": REFUSED, "connect_timeout": CONNECT_TIMEOUT, "first_byte_timeout": FIRST_BYTE_TIMEOUT,
+                 "idle_timeout": IDLE_TIMEOUT, "disconnect": DISCONNECTED}
 # Status label for a client that left before the answer ended (nginx's convention).
 CLIENT_CLOSED = "499"
 
@@ -206,6 +218,9 @@ class Exchange:
         self.usage = Usage()
         self.upstream: aiohttp.ClientResponse | None = None
         self.task = asyncio.current_task()
+        self.inflight_at_start = lease.backend.inflight
+        self.ttft: float | None = None
+        self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
         self.delivered = False  # [DONE] went out: a client leaving after it got the whole answer
         st.exchanges.add(self)
@@ -229,8 +244,7 @@ class Exchange:
 
     def upstream_failed(self, err: UpstreamError) -> None:
         self.st.metrics.upstream_errors.labels(self.lease.backend.url, err.kind).inc()
-        if isinstance(err, UpstreamConnectError):
-            self.lease.backend.refused()
+        self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
 
     async def open(self, path: str, body: bytes) -> aiohttp.ClientResponse:
         """Send the request and wait for response headers; retry elsewhere only before any byte came back."""
@@ -248,6 +262,7 @@ class Exchange:
                     raise err from None
                 attempts += 1
                 continue
+            self.st.pools.report_attempt(b, Attempt(OK, resp.status))
             if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry():
                 self.st.metrics.upstream_errors.labels(b.url, f"status_{resp.status}").inc()
                 resp.close()
@@ -262,6 +277,7 @@ class Exchange:
             return False
         self.lease.release()
         self.lease = new
+        self.inflight_at_start = new.backend.inflight
         self.st.metrics.decisions.labels(new.backend.pool, RETRY).inc()
         self.st.metrics.retries.labels(new.backend.pool).inc()
         return True
@@ -297,8 +313,10 @@ class Exchange:
                     events = scan_usage(events, self.usage, strip)
                 if events:
                     now = time.monotonic()
+                    self.chunks += 1
                     if last is None:
-                        m.ttft_by_pool[self.pool].observe(now - self.t0)
+                        self.ttft = now - self.t0
+                        m.ttft_by_pool[self.pool].observe(self.ttft)
                     else:
                         m.itl_by_pool[self.pool].observe(now - last)
                     last = now
@@ -336,6 +354,11 @@ class Exchange:
     def finish(self) -> None:
         """Runs exactly once, in `finally`: release the lease, close upstream, record the outcome."""
         self.st.exchanges.discard(self)
+        b = self.lease.backend
+        ok = self.code.startswith("2") and (self.delivered or self.ttft is None)
+        self.st.pools.report_done(b, Observation(
+            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
+            self.usage.completion if self.usage.seen else None, self.chunks, ok))
         self.lease.release()
         if self.upstream is not None:
             # close(), not release(): an unfinished response must drop its connection so SGLang aborts.

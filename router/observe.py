@@ -1,0 +1,40 @@
+"""What the proxy tells the pools about each upstream attempt and each finished exchange (the learning seam)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Outcome kinds of one upstream attempt, a closed set (they may become metric label values).
+# "ok": response headers came back with a status; the rest name how the attempt failed.
+OK, REFUSED, CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, DISCONNECTED, LOCAL = (
+    "ok", "refused", "connect_timeout", "first_byte_timeout", "idle_timeout", "disconnected", "local")
+ATTEMPT_KINDS: tuple[str, ...] = (OK, REFUSED, CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, DISCONNECTED,
+                                  LOCAL)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One upstream attempt on one backend: `status` is the HTTP status when headers came back (kind "ok"),
+    else None. `LOCAL` is a failure of ours (out of file descriptors, DNS), never the backend's fault."""
+
+    kind: str
+    status: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One finished exchange on one backend, as the router saw it (inputs for learned policies).
+
+    inflight_at_start/end: the backend's in-flight count (this request included) when the lease was taken and
+    just before it was released. ttft_s: seconds to the first streamed chunk (None when not streamed).
+    completion_tokens: from the usage the backend reported (None when it reported none). ok: the backend
+    finished the answer (2xx and complete); False for errors, aborts and client disconnects."""
+
+    pool: str
+    url: str
+    inflight_at_start: int
+    inflight_at_end: int
+    duration_s: float
+    ttft_s: float | None
+    completion_tokens: int | None
+    chunks: int
+    ok: bool
