@@ -33,6 +33,7 @@ from router.observe import (
     DISCONNECTED,
     FIRST_BYTE_TIMEOUT,
     IDLE_TIMEOUT,
+    LOCAL,
     OK,
     REFUSED,
     Attempt,
@@ -51,7 +52,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RETRY_STATUSES = frozenset((502, 503))
 # Transport error kinds (router.errors) as attempt outcomes (router.observe).
 _ATTEMPT_KIND = {"connect": REFUSED, "connect_timeout": CONNECT_TIMEOUT, "first_byte_timeout": FIRST_BYTE_TIMEOUT,
-                 "idle_timeout": IDLE_TIMEOUT, "disconnect": DISCONNECTED}
+                 "idle_timeout": IDLE_TIMEOUT, "disconnect": DISCONNECTED, "local": LOCAL}
 # Status label for a client that left before the answer ended (nginx's convention).
 CLIENT_CLOSED = "499"
 
