@@ -65,8 +65,8 @@ def ejection_s(ejections: int, cfg: OutlierConfig) -> float:
 
 
 def _eject(s: OutlierState, now: float, cfg: OutlierConfig) -> OutlierState:
-    # A backend that stayed fully back for max_s starts a new streak: old trouble no longer lengthens it.
-    streak = s.ejections if now - s.back_at < cfg.max_s else 0
+    # A failed trial continues the streak; a backend that stayed fully back for max_s starts a new one.
+    streak = s.ejections if s.phase != ACTIVE or now - s.back_at < cfg.max_s else 0
     n = streak + 1
     return OutlierState(EJECTED, 0, n, now + ejection_s(n, cfg), 0, s.back_at)
 
@@ -98,4 +98,4 @@ def step(s: OutlierState, outcome: str, now: float, cfg: OutlierConfig, may_ejec
 
 def restore(s: OutlierState, now: float) -> OutlierState:
     """Fully back at once, ejection streak kept: used when every other backend is gone."""
-    return replace(s, phase=ACTIVE, failures=0, trial_ok=0, until=now)
+    return replace(s, phase=ACTIVE, failures=0, trial_ok=0, until=now, back_at=now)
