@@ -7,10 +7,11 @@ import time
 from collections.abc import Iterable
 
 from router import outlier
+from router.curves import CurvePoints
 from router.metrics import Metrics
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, Observation
 from router.outlier import OutlierConfig, OutlierState
-from router.policy import POOLS, BackendLoad, CurvePoints, Decision, PolicyState, decide, retry_target
+from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
 
 log = logging.getLogger("router.pools")
 
@@ -21,6 +22,7 @@ STATES: tuple[str, ...] = (UP, DOWN, outlier.EJECTED, outlier.TRIAL)
 _IN = (UP, outlier.TRIAL)  # router_backend_up reads 1 in these
 # Why a backend was ejected (a label): an HTTP 5xx, or the transport failure kind of the last attempt.
 EJECT_REASONS: tuple[str, ...] = ("5xx", *(k for k in ATTEMPT_KINDS if k not in (OK, LOCAL)))
+
 
 class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
@@ -74,7 +76,8 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        """May a new request go here: healthy per the probes, and not ejected (on trial: below its trial cap)."""
+        """May a new request go here: healthy per the probes, and not ejected (on trial: below its trial cap).
+        The one property policies read."""
         return self.healthy and (self.outlier.phase == outlier.ACTIVE or
                                  outlier.admits(self.outlier, time.monotonic(), self._inflight, self.outlier_cfg))
 
@@ -130,8 +133,8 @@ class Lease:
 class Pools:
     """All backends of both pools plus the policy's remembered state; decisions and leases happen together."""
 
-    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str, threshold: int,
-                 hysteresis: int = 0, keys: dict[str, str | None] | None = None,
+    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str | Policy,
+                 threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
                  metrics: Metrics | None = None, rng: random.Random | None = None,
                  curves: tuple[CurvePoints, CurvePoints] | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -141,11 +144,11 @@ class Pools:
                                         for u in speculative]
         self.backends += [Backend(u, "baseline", keys.get("baseline"), self.outlier_cfg) for u in baseline]
         self.by_url = {b.url: b for b in self.backends}
-        self.policy = policy
+        # Built once; policies read the live Backend objects through it, nothing is copied per request.
+        self.view = View.of(self.backends)
+        self.policy: Policy = (build(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
+                               if isinstance(policy, str) else policy)
         self.threshold = threshold
-        self.hysteresis = hysteresis
-        self.curves = curves
-        self.state = PolicyState()
         self.rng = rng or random.Random()
         self.metrics = metrics
         if metrics is not None:
@@ -174,16 +177,14 @@ class Pools:
 
     def acquire(self, pinned: str | None = None) -> tuple[Lease, Decision] | None:
         """Decide and take the lease with no await in between, so concurrent requests see exact counts."""
-        d = decide(self.loads(), policy=self.policy, threshold=self.threshold, hysteresis=self.hysteresis,
-                   state=self.state, pinned=pinned, rng=self.rng, curves=self.curves)
+        d = decide(self.policy, self.view, pinned, self.rng)
         if d is None:
             return None
-        self.state = d.state
-        return self.by_url[d.url].lease(), d
+        return d.backend.lease(), d
 
     def acquire_retry(self, failed: Backend) -> Lease | None:
-        target = retry_target(self.loads(), failed.url, failed.pool, self.rng)
-        return None if target is None else self.by_url[target.url].lease()
+        target = retry_target(self.view, failed.url, failed.pool, self.rng)
+        return None if target is None else target.lease()
 
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:
