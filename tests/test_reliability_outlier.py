@@ -33,7 +33,8 @@ async def ask(router, **extra) -> tuple[int, str]:
 
 
 def state_of(router, url: str) -> str:
-    """The backend's state as /metrics tells it; exactly one state reads 1."""
+    """The backend's state as /metrics tells it; exactly one state reads 1 (read where the state is not about
+    to change by itself: each gauge reads the clock on its own)."""
     pool = next(b.pool for b in router.state.pools.backends if b.url == url)
     on = [s for s in STATES if router.metric("router_backend_state", pool=pool, backend=url, state=s) == 1]
     assert len(on) == 1, on
@@ -90,7 +91,7 @@ async def test_trial_requests_bring_it_back(sim_factory, router_factory, caplog)
     caplog.set_level(logging.INFO, logger="router")
     assert [await ask(router) for _ in range(4)] == [(500, "speculative")] * 3 + [(200, "baseline")]
     await set_faults(spec.url, error_rate=0.0)  # the engine is fixed
-    assert await poll(lambda: state_of(router, spec.url) == "trial", 5)
+    assert await poll(lambda: router.state.pools.by_url[spec.url].state() == "trial", 5)
     assert router.metric("router_backend_up", pool="speculative", backend=spec.url) == 1
     # Two successful trial requests bring it fully back; spillover then prefers it again.
     assert await ask(router) == (200, "speculative")
@@ -111,7 +112,7 @@ async def test_repeated_failures_lengthen_the_ejection(sim_factory, router_facto
         await ask(router)
     assert "ejected for 0.3 s (ejection 1 in a row) after 3 consecutive failures" in caplog.text
     for n, length in ((2, "0.6"), (3, "1.2")):
-        assert await poll(lambda: state_of(router, spec.url) == "trial", 5)
+        assert await poll(lambda: router.state.pools.by_url[spec.url].state() == "trial", 5)
         # The trial request fails too: out again, for twice as long.
         assert await ask(router) == (500, "speculative")
         assert state_of(router, spec.url) == "ejected"
