@@ -62,6 +62,7 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     p = Proc(name=name, proc=popen)
     found: list[str] = []
     ready = threading.Event()
+    eof = threading.Event()
 
     def read_stdout() -> None:
         # Keep draining after the line so a chatty child never blocks on a full pipe.
@@ -71,7 +72,8 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
                     found.append(m.group(1))
                     if len(found) == lines:
                         ready.set()
-        ready.set()  # EOF: the child exited
+        eof.set()
+        ready.set()  # EOF: the child exited (or closed its stdout)
 
     def read_stderr() -> None:
         with popen.stderr:  # type: ignore[union-attr]
@@ -87,6 +89,10 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
         p.url, p.urls = found[0], list(found[:lines])
         return p
     rc = popen.poll()
+    if rc is None and eof.is_set():
+        # stdout closed just before the exit: give the child a moment to be reaped (a loaded machine)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = popen.wait(5)
     if rc is None:
         p.stop()
         what = "line" if lines == 1 else f"{lines} lines"
