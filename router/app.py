@@ -30,7 +30,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     metrics = Metrics(registry)
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
     pools = Pools(settings.speculative, settings.baseline, policy=make_policy(settings),
-                  threshold=settings.threshold, metrics=metrics,
+                  threshold=settings.threshold, metrics=metrics, outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)

@@ -11,7 +11,8 @@ async def state_handler(request: web.Request) -> web.Response:
     st = request.app[STATE]
     pools = st.pools
     policy = pools.policy
-    backends = [{"url": b.url, "pool": b.pool, "healthy": b.healthy, "inflight": b.inflight,
+    backends = [{"url": b.url, "pool": b.pool, "healthy": b.healthy, "routable": b.routable,
+                 "inflight": b.inflight,
                  "reported_load": b.reported, "load": b.load_estimate} for b in pools.backends]
     body: dict = {"policy": policy.name, "backends": backends}
     if isinstance(policy, Adaptive):

@@ -326,7 +326,7 @@ async def test_router_state_needs_the_api_key_when_one_is_set(sim_factory, route
             assert r.status == 200
             body = await r.json()
     assert body["policy"] == "spillover" and "model" not in body
-    assert body["backends"] == [{"url": base.url, "pool": "baseline", "healthy": True, "inflight": 0,
+    assert body["backends"] == [{"url": base.url, "pool": "baseline", "healthy": True, "routable": True, "inflight": 0,
                                  "reported_load": None, "load": 0}]
 
 
