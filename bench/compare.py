@@ -1,5 +1,5 @@
 """`python -m bench compare`: the canonical experiment on one pair of backends. Routers for all-baseline,
-all-speculative, spillover at the calibrated threshold, round-robin, balanced (and global); winner per
+all-speculative, spillover at the calibrated threshold, round-robin, balanced, adaptive (and global); winner per
 level; a verdict; and, with `--reference`, every configuration against other deployments of the same GPUs."""
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
 # the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
 # _routed() that starts its router.
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "global")
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive", "global")
 SINGLE = ("all-baseline", "all-speculative")
-ROUTED = ("spillover", "round-robin", "balanced", "global")
-DEFAULT_ROUTED = ("spillover", "round-robin", "balanced")
+ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "global")
+DEFAULT_ROUTED = ("spillover", "round-robin", "balanced", "adaptive")
+# Learns from its own traffic: no curves, no threshold; the first levels are its warm-up.
+LEARNED = ("adaptive",)
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -63,7 +65,7 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
     """Per level: spillover against the best other configuration, and why when it is behind."""
     lines, rows = [], [{"concurrency": f["concurrency"]} for f in results["all-baseline"]]
     # Spillover is judged against the four configurations it was built to beat; balanced gets its own lines.
-    others = [n for n in results if n not in ("spillover", "balanced", "global")]
+    others = [n for n in results if n not in ("spillover", "balanced", "global", *LEARNED)]
     for i, sp in enumerate(results.get("spillover", [])):
         c = sp["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -83,13 +85,30 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
         lines.append(text)
     if "balanced" in results:
         lines += balanced_verdict(results, rec, rows)
+    if "adaptive" in results:
+        lines += adaptive_verdict(results, rows)
     return lines, rows
+
+
+def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
+    """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x."""
+    others = [n for n in results if n != "adaptive"]
+    lines = []
+    for i, ad in enumerate(results["adaptive"]):
+        best = max(others, key=lambda n: figures.tput(results[n][i]))
+        b = figures.tput(results[best][i])
+        ratio = figures.tput(ad) / b if b else float("inf")
+        status = "at or above 0.97x" if ratio >= 0.97 else "BELOW 0.97x"
+        rows[i] |= {"adaptive": figures.tput(ad), "adaptive_best_other": best, "adaptive_ratio": ratio}
+        lines.append(f"c={ad['concurrency']}: adaptive {figures.tput(ad):.1f} tok/s vs best other ({best}) "
+                     f"{b:.1f} -> {ratio:.2f}x, {status}")
+    return lines
 
 
 def balanced_verdict(results: dict[str, list[dict]], rec, rows: list[dict]) -> list[str]:
     """Per level: balanced against the best of the other configurations (spillover included)."""
     lines = []
-    others = [n for n in results if n not in ("balanced", "global")]
+    others = [n for n in results if n not in ("balanced", "global", *LEARNED)]
     for i, bal in enumerate(results["balanced"]):
         c = bal["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -397,6 +416,8 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
         return router("balanced", True, True, None, ["--speculative-curve", spec_pts, "--baseline-curve", base_pts])
     if name == "global":
         return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])
+    if name == "adaptive":
+        return router("adaptive", True, True)
     raise ValueError(f"no router recipe for configuration {name!r}")
 
 

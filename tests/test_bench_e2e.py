@@ -80,7 +80,8 @@ def test_compare_cli_small(tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     data = json.loads((tmp_path / "cmp.json").read_text())
-    assert list(data["results"]) == ["spillover", "all-baseline", "all-speculative", "round-robin", "balanced"]
+    assert list(data["results"]) == ["spillover", "all-baseline", "all-speculative", "round-robin", "balanced",
+                                     "adaptive"]
     assert data["config"]["speculative_curve"].count(":") == 2  # balanced ran on the two measured levels
     for figs in data["results"].values():
         assert [f["completed"] for f in figs] == [3, 3]
