@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("bench.plan", "break-even: which deployment of the same GPUs wins at which load (from compare JSON)"),
     "demo": ("bench.demo", "two simulated backends + router + a short sweep (the README's first command)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
+    "drift": ("bench.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
 }
 
