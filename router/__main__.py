@@ -52,7 +52,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--config", metavar="FILE", help="YAML file of settings (also ROUTER_CONFIG)")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        meta = _metavar(field.annotation)
+        # A float that is a share, not a duration (the adaptive policy's factors).
+        meta = "RATIO" if name in ("adaptive_forgetting", "adaptive_explore", "adaptive_deadband") \
+            else _metavar(field.annotation)
         if _is_list(name):
             serve.add_argument(flag, dest=name, action="append", metavar="URL",
                                help=f"{field.description}; repeat or comma-separate")
