@@ -51,8 +51,8 @@ async def test_drift_reaches_requests_already_running():
         engine.set_drift({"accept_length": 1.0})
         assert before > 0.5 and r.accept_rate == 0.0
         generated, steps = r.generated, engine.steps_total
-        while engine.steps_total < steps + 30:
-            await asyncio.sleep(0.01)
+        for _ in range(30):  # one outbox item per step from here on
+            await r.outbox.get()
         assert r.generated - generated == engine.steps_total - steps  # one token per step: nothing accepted
     finally:
         await engine.close()
