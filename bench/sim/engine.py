@@ -214,6 +214,8 @@ class Engine:
         # KV capacity in tokens (a co-located server gets its memory share of the profile's)
         self.max_total_tokens = max_total_tokens or profile.max_total_num_tokens
         self.gpu = gpu
+        if gpu is not None:
+            gpu.engines.append(self)
         self.reserved_tokens = 0  # KV the running requests will hold at their end (prompt + output)
         self.deadline = 0.0  # wall time at which the current step ends
         self.busy_s = 0.0  # simulated seconds of GPU time this engine's steps took
@@ -245,6 +247,10 @@ class Engine:
     @property
     def num_queued(self) -> int:
         return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
 
     def used_tokens(self) -> int:
         return sum(r.prompt_tokens + r.generated for r in self.running)
@@ -362,12 +368,18 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
         deadline = time.monotonic()
+        if self.gpu is not None:
+            self.gpu.ready(self, deadline)
         behind = 0
         while True:
             if not self.running and not self.waiting:
+                if self.gpu is not None:
+                    self.gpu.idle(self)
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = time.monotonic()  # idle: the next step starts now, not in the past
+                if self.gpu is not None:
+                    self.gpu.ready(self, deadline)
             admitted = self._admit()
             decoding = list(self.running)
             now = time.monotonic()
@@ -378,6 +390,8 @@ class Engine:
                 self.running.append(req)
             step = self.profile.step_ms(len(decoding)) if decoding else 0.0
             step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))
+            if self.gpu is not None:
+                await self.gpu.wait_turn(self, deadline)
             deadline = self._schedule(deadline, step)
             delay = deadline - time.monotonic()
             if delay > 0:
