@@ -417,7 +417,8 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
     if name == "global":
         return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])
     if name == "adaptive":
-        return router("adaptive", True, True)
+        # No curves: it learns, from its own requests and the servers' /v1/loads figures.
+        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", "0.5"])
     raise ValueError(f"no router recipe for configuration {name!r}")
 
 

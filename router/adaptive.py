@@ -41,7 +41,7 @@ class Adaptive:
 
     name = "adaptive"
 
-    def __init__(self, *, objective: str = "throughput", forgetting: float = 0.99, explore: float = 0.03,
+    def __init__(self, *, objective: str = "latency", forgetting: float = 0.99, explore: float = 0.03,
                  deadband: float = 0.03, max_running: int | None = None,
                  priors: Mapping[str, tuple[float, float]] | None = None) -> None:
         if objective not in OBJECTIVES:
@@ -55,6 +55,7 @@ class Adaptive:
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
         self.accept: dict[str, float] = {}  # accept length each backend last reported
+        self.running: dict[str, int] = {}  # running requests each backend last reported
         self.samples: dict[tuple[str, str], int] = {}  # (pool, source) -> samples folded in
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
@@ -142,7 +143,12 @@ class Adaptive:
                     m = self.model(key, pool)
                     m.rescale(before / figs.accept_length)
                     self.published[key] = m.params()
-        if figs.running >= 1 and figs.gen_throughput is not None and figs.gen_throughput > 0:
+        before_running = self.running.get(url)
+        self.running[url] = figs.running
+        # gen_throughput is an average over a past window: it matches the running count only when that count
+        # held still (one poll to the next); right after a change it would say the server is slower than it is.
+        if (figs.running >= 1 and figs.running == before_running and figs.gen_throughput is not None
+                and figs.gen_throughput > 0):
             self._fold(pool, url, float(figs.running), figs.running / figs.gen_throughput, "loads")
 
     # ---- decisions

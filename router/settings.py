@@ -114,8 +114,9 @@ class Settings(BaseSettings):
         None, description="balanced policy: the same for ONE baseline instance")
 
     objective: Literal["throughput", "latency"] = Field(
-        "throughput", description="adaptive policy: throughput (equal marginal gains: most tok/s in total) or "
-        "latency (each request where it alone would be fastest, the balanced rule)")
+        "latency", description="adaptive policy: latency (each request where it alone would be fastest, the "
+        "balanced rule; measured the better of the two) or throughput (equal marginal gains, the optimum of an "
+        "exact model, but marginal gains amplify the model's errors)")
     adaptive_forgetting: float = Field(
         0.99, gt=0.5, le=1.0, description="adaptive policy: weight kept by the past at each sample "
         "(0.99: about the last 100 samples count; 1: never forget)")
