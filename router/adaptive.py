@@ -59,8 +59,9 @@ class Adaptive:
         self.samples: dict[tuple[str, str], int] = {}  # (pool, source) -> samples folded in
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
-        # Explore a pool that has had no sample for this many decisions even where it costs more.
-        self.stale_after = int(10 / explore) if explore > 0 else 0
+        # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
+        # judged slow gets no traffic and so no samples; without this it would stay misjudged after a change.
+        self.stale_after = int(1 / explore) if explore > 0 else 0
 
     # ---- models
     def model(self, key: str, pool: str) -> SpeedModel:
