@@ -45,6 +45,12 @@ class Metrics:
                                    ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)
+        self.upstream_wait = Histogram("router_upstream_wait_seconds",
+                                       "Time requests waited for a place under max_connections_per_backend "
+                                       "(only requests that waited)", ["pool"], buckets=_LATENCY, registry=registry)
+        self.upstream_waiting = Gauge("router_upstream_waiting_requests",
+                                      "Requests waiting now for a place under max_connections_per_backend",
+                                      ["pool", "backend"], registry=registry)
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
         self.ttft_by_pool = {p: self.ttft.labels(p) for p in POOLS}
         self.itl_by_pool = {p: self.itl.labels(p) for p in POOLS}
