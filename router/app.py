@@ -28,6 +28,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
     pools = Pools(settings.speculative, settings.baseline, policy=settings.policy, threshold=settings.threshold,
                   hysteresis=settings.hysteresis, metrics=metrics, curves=settings.curves(),
+                  outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
     for b in pools.backends:
