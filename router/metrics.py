@@ -45,6 +45,11 @@ class Metrics:
                                    ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)
+        self.discovery_failures = Counter("router_discovery_failures_total",
+                                          "DNS re-resolutions of a pool entry that failed or returned no address",
+                                          ["pool"], registry=registry)
+        self.backends = Gauge("router_backends", "Backends currently configured or discovered per pool",
+                              ["pool"], registry=registry)
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
         self.ttft_by_pool = {p: self.ttft.labels(p) for p in POOLS}
         self.itl_by_pool = {p: self.itl.labels(p) for p in POOLS}

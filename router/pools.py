@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from router.metrics import Metrics
 from router.observe import REFUSED, Attempt, Observation
@@ -13,7 +13,7 @@ class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
-                 "reported", "_inflight_at_report")
+                 "reported", "_inflight_at_report", "on_drained")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None) -> None:
         self.url = url
@@ -27,6 +27,8 @@ class Backend:
         self._inflight = 0
         self.reported: int | None = None  # running + waiting the backend itself last reported
         self._inflight_at_report = 0
+        # Set by Pools.remove_backend while leases are still out: called when the last one is released.
+        self.on_drained: Callable[[Backend], None] | None = None
 
     @property
     def inflight(self) -> int:
@@ -55,6 +57,8 @@ class Backend:
     def _release(self) -> None:
         # Clamp: a count below zero would make this backend look idle for ever.
         self._inflight = max(0, self._inflight - 1)
+        if self._inflight == 0 and self.on_drained is not None:
+            self.on_drained(self)
 
     def load(self) -> BackendLoad:
         return BackendLoad(self.url, self.pool, self.load_estimate, self.healthy)
@@ -111,6 +115,10 @@ class Pools:
                  metrics: Metrics | None = None, rng: random.Random | None = None,
                  curves: tuple[CurvePoints, CurvePoints] | None = None) -> None:
         keys = keys or {}
+        self._keys = keys
+        self._metrics = metrics
+        # Removed backends whose leases are still out (router.discovery): kept only until the last release.
+        self.draining: dict[str, Backend] = {}
         self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative")) for u in speculative]
         self.backends += [Backend(u, "baseline", keys.get("baseline")) for u in baseline]
         self.by_url = {b.url: b for b in self.backends}
@@ -126,12 +134,17 @@ class Pools:
     def _bind_metrics(self, metrics: Metrics) -> None:
         # Gauges read the live values at scrape time, so they can never drift from the counts.
         for b in self.backends:
-            metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
-            metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.healthy else 0.0)
+            self._bind_backend(metrics, b)
         metrics.threshold.set(self.threshold)
         for pool in POOLS:
+            metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in self.backends))
             metrics.duration.labels(pool)
             metrics.disconnects.labels(pool)
+
+    @staticmethod
+    def _bind_backend(metrics: Metrics, b: Backend) -> None:
+        metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
+        metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.healthy else 0.0)
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -160,3 +173,54 @@ class Pools:
 
     def report_done(self, backend: Backend, obs: Observation) -> None:
         """Called once per finished exchange, just before its lease is released."""
+
+    # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
+    # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.
+    def add_backend(self, url: str, pool: str) -> Backend:
+        """A new instance of `pool`; not routable until a health probe passes. A draining one comes back."""
+        b = self.by_url.get(url)
+        if b is not None:
+            return b
+        b = self.draining.pop(url, None)
+        if b is not None and b.pool == pool:
+            b.on_drained = None
+        else:
+            if b is not None:  # the address moved to the other pool: the old entry's leases just run out
+                b.on_drained = None
+                self._forget(b)
+            b = Backend(url, pool, self._keys.get(pool))
+            if self._metrics is not None:
+                self._bind_backend(self._metrics, b)
+        self.backends = [*self.backends, b]
+        self.by_url = {**self.by_url, url: b}
+        return b
+
+    def remove_backend(self, url: str) -> None:
+        """Stop routing to `url` now; with leases still out it drains and is dropped at the last release."""
+        b = self.by_url.get(url)
+        if b is None:
+            return
+        self.backends = [x for x in self.backends if x is not b]
+        self.by_url = {u: x for u, x in self.by_url.items() if x is not b}
+        if b.inflight == 0:
+            self._forget(b)
+        else:
+            self.draining[url] = b
+            b.on_drained = self._drained
+
+    def _drained(self, b: Backend) -> None:
+        if self.draining.get(b.url) is b:
+            del self.draining[b.url]
+            b.on_drained = None
+            self._forget(b)
+
+    def _forget(self, b: Backend) -> None:
+        # Gauges of a gone instance would report its last value for ever; counters keep their history.
+        m = self._metrics
+        if m is None:
+            return
+        for gauge in (m.inflight, m.backend_up, m.reported_load):
+            try:
+                gauge.remove(b.pool, b.url)
+            except KeyError:
+                pass
