@@ -112,6 +112,10 @@ def test_sglang_pools_are_tp4_servers_with_four_gpus(target):
         assert c["image"].startswith("lmsysorg/sglang:v0.5.23")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"]["path"] == "/health"
+        # a leaving pod keeps serving until every router has re-resolved the headless Service
+        stay = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert stay >= _router_settings(objs)[1].discovery_interval
+        assert _pod_spec(dep)["terminationGracePeriodSeconds"] >= stay + 60
         # a rollout must never ask for more GPUs than the pool holds
         assert dep["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     args = _pod_spec(_one(objs, "Deployment", "sglang-speculative"))["containers"][0]["args"]
