@@ -145,14 +145,16 @@ def test_balanced_split_by_hand():
 
 
 def test_balanced_model_places_requests_as_the_router_does():
-    from router.policy import BackendLoad, decide
+    import random
+
+    from router.policy import BackendLoad, Balanced, View
 
     spec, base = _curve({1: 141.7, 5: 340.7, 30: 581.9}), _curve({1: 92.3, 10: 455.3, 70: 745.9})
     curves = (calibrate.curve_points(spec), calibrate.curve_points(base))
     n = [0, 0]
     for c in range(1, 120):
-        loads = [BackendLoad("s", "speculative", n[0], True), BackendLoad("b", "baseline", n[1], True)]
-        n[0 if decide(loads, policy="balanced", threshold=0, curves=curves).pool == "speculative" else 1] += 1
+        loads = View.of([BackendLoad("s", "speculative", n[0], True), BackendLoad("b", "baseline", n[1], True)])
+        n[0 if Balanced(curves).decide(loads, random.Random()).pool == "speculative" else 1] += 1
         assert calibrate.balanced_split(spec, base, c) == n
 
 
