@@ -190,8 +190,7 @@ class Pools:
             b = Backend(url, pool, self._keys.get(pool))
             if self._metrics is not None:
                 self._bind_backend(self._metrics, b)
-        self.backends = [*self.backends, b]
-        self.by_url = {**self.by_url, url: b}
+        self._set_members([*self.backends, b])
         return b
 
     def remove_backend(self, url: str) -> None:
@@ -199,13 +198,18 @@ class Pools:
         b = self.by_url.get(url)
         if b is None:
             return
-        self.backends = [x for x in self.backends if x is not b]
-        self.by_url = {u: x for u, x in self.by_url.items() if x is not b}
+        self._set_members([x for x in self.backends if x is not b])
         if b.inflight == 0:
             self._forget(b)
         else:
             self.draining[url] = b
             b.on_drained = self._drained
+
+    def _set_members(self, backends: list[Backend]) -> None:
+        # The policy's view is rebuilt with the list: it groups the live backends by pool once per change.
+        self.backends = backends
+        self.by_url = {b.url: b for b in backends}
+        self.view = View.of(backends)
 
     def _drained(self, b: Backend) -> None:
         if self.draining.get(b.url) is b:

@@ -122,6 +122,22 @@ def test_idle_backend_is_dropped_at_once_and_readding_a_draining_one_revives_it(
     assert len(pools.backends) == 1
 
 
+def test_the_policy_sees_members_as_they_change():
+    pools = Pools(["http://10.0.0.1:1"], [], policy="least-inflight")
+    first = pools.by_url["http://10.0.0.1:1"]
+    first.probe_ok(1)
+    held = [first.lease(), first.lease()]
+    new = pools.add_backend("http://10.0.0.3:1", "speculative")
+    new.probe_ok(1)
+    lease, decision = pools.acquire()
+    assert decision.url == new.url, "a joined backend is a candidate"
+    lease.release()
+    pools.remove_backend(new.url)
+    assert all(pools.acquire()[1].url == first.url for _ in range(5))
+    for h in held:
+        h.release()
+
+
 # ---------------------------------------------------------------- a running router, several simulators, one name
 
 async def _backend_of(client: openai.AsyncOpenAI) -> str:
