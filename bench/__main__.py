@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bench.demo", "two simulated backends + router + a short sweep (the README's first command)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
+    "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
 }
 
 
