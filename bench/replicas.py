@@ -42,7 +42,8 @@ class Config:
     baseline: int = 1
     threshold: int = 8
     concurrency: int = 64
-    duration: float = 30.0
+    duration: float = 40.0
+    ramp: float = 10.0
     max_tokens: int = 128
     speedup: float = 1.0
     load_interval: float = 0.5
@@ -74,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=int, default=d.threshold,
                    help="spillover threshold per speculative instance (default 8)")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="closed-loop clients (default 64)")
-    p.add_argument("--duration", type=float, default=d.duration, help="seconds of load per signal (default 30)")
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds of load per signal (default 40)")
+    p.add_argument("--ramp", type=float, default=d.ramp,
+                   help="seconds over which the clients start, evenly spaced (default 10; 0: all at once, the "
+                        "worst case for any polled signal)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per request (default 128)")
     p.add_argument("--speedup", type=float, default=d.speedup, help="simulator clock speedup (default 1: real time)")
     p.add_argument("--load-interval", type=float, default=d.load_interval,
@@ -101,10 +105,12 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     for name in ("duration", "speedup", "load_interval", "sample_interval"):
         if not getattr(ns, name) > 0:
             raise _ArgError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= ns.ramp < ns.duration:
+        raise _ArgError("--ramp must be at least 0 and below --duration")
     if ns.duration > 3600:
         raise _ArgError("--duration is capped at 3600 seconds")
     return Config(replicas=ns.replicas, speculative=ns.speculative, baseline=ns.baseline, threshold=ns.threshold,
-                  concurrency=ns.concurrency, duration=ns.duration, max_tokens=ns.max_tokens, speedup=ns.speedup,
+                  concurrency=ns.concurrency, duration=ns.duration, ramp=ns.ramp, max_tokens=ns.max_tokens, speedup=ns.speedup,
                   load_interval=ns.load_interval, sample_interval=ns.sample_interval, signals=signals,
                   speculative_profile=ns.speculative_profile, baseline_profile=ns.baseline_profile,
                   prompts=ns.prompts, out=ns.out)
@@ -128,7 +134,8 @@ async def drive(cfg: Config, run: SignalRun, routers: list[str], spec_sims: list
     stop_at = t0 + cfg.duration
     per_request = max(60.0, cfg.duration)
 
-    async def client(session: aiohttp.ClientSession) -> None:
+    async def client(session: aiohttp.ClientSession, k: int) -> None:
+        await asyncio.sleep(k * cfg.ramp / cfg.concurrency)
         while time.perf_counter() < stop_at:
             i = next(counter)
             path, body = bodies[i % len(bodies)]
@@ -146,7 +153,7 @@ async def drive(cfg: Config, run: SignalRun, routers: list[str], spec_sims: list
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session, \
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as side:
         async with asyncio.timeout(cfg.duration + per_request + 30):
-            await asyncio.gather(sampler(side), *(client(session) for _ in range(cfg.concurrency)))
+            await asyncio.gather(sampler(side), *(client(session, k) for k in range(cfg.concurrency)))
     run.wall = time.perf_counter() - t0
 
 
@@ -202,7 +209,8 @@ def figures(cfg: Config, run: SignalRun) -> dict:
 def render(cfg: Config, rows: list[dict]) -> str:
     lines = [f"{cfg.replicas} router replicas (spillover, threshold {cfg.threshold} per instance), "
              f"{cfg.speculative} x {cfg.speculative_profile} + {cfg.baseline} x {cfg.baseline_profile} simulators, "
-             f"{cfg.concurrency} closed-loop clients round-robin over the replicas, {cfg.duration:g} s, "
+             f"{cfg.concurrency} closed-loop clients round-robin over the replicas (started over {cfg.ramp:g} s), "
+             f"{cfg.duration:g} s, "
              f"max_tokens {cfg.max_tokens}, speedup {cfg.speedup:g}, load_interval {cfg.load_interval:g} s",
              "",
              "| load_signal | pool limit | mean running | max running | overshoot max | overshoot p99 "

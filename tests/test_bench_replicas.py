@@ -14,7 +14,7 @@ from bench.__main__ import main as bench_main
 def test_replicas_small_run(tmp_path, capsys):
     out = tmp_path / "rep"
     rc = replicas.main(["--replicas", "2", "--speculative", "1", "--baseline", "1", "--threshold", "2",
-                        "--concurrency", "12", "--duration", "4", "--max-tokens", "24", "--speedup", "1",
+                        "--concurrency", "12", "--duration", "4", "--ramp", "0.5", "--max-tokens", "24", "--speedup", "1",
                         "--load-interval", "0.2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
@@ -38,7 +38,7 @@ def test_replicas_small_run(tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--signals", "both"], "--signals"), (["--replicas", "0"], "--replicas"),
-    (["--duration", "0"], "--duration"), (["--load-interval", "-1"], "--load-interval"),
+    (["--duration", "0"], "--duration"), (["--duration", "5", "--ramp", "5"], "--ramp"), (["--load-interval", "-1"], "--load-interval"),
     (["--concurrency", "x"], "invalid int"), (["--prompts", "/nonexistent.jsonl"], "nonexistent")])
 def test_replicas_bad_flags_are_one_line(argv, fragment, capsys):
     assert bench_main(["replicas", *argv]) == 2
