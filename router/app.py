@@ -32,6 +32,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
     pools = Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"), policy=settings.policy, threshold=settings.threshold,
                   hysteresis=settings.hysteresis, metrics=metrics, curves=settings.curves(),
+                  outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
