@@ -192,8 +192,13 @@ def figures(cfg: Config, run: SignalRun) -> dict:
     over = [max(0, c - limit) for c in counts]
     ok = [r for r in run.records if r.ok]
     served = run.spec_requests + run.base_requests
+    window = max(1.0, cfg.duration / 10)
+    timeline: dict[int, int] = {}
+    for t, c in run.samples:
+        timeline[int(t // window)] = max(timeline.get(int(t // window), 0), c)
     return {
         "signal": run.signal, "pool_limit": limit, "samples": len(counts),
+        "window_s": window, "timeline_max": [timeline.get(k) for k in range(max(timeline, default=-1) + 1)],
         "mean_running": sum(counts) / len(counts) if counts else 0.0,
         "max_running": max(counts, default=0), "overshoot_max": max(over, default=0),
         "overshoot_p99": percentile(over, 99) if over else 0.0,
@@ -221,6 +226,15 @@ def render(cfg: Config, rows: list[dict]) -> str:
                      f"| {f['overshoot_max']} | {f['overshoot_p99']:.1f} | {f['share_above']:.0%} "
                      f"| {f['instance_max']} | {f['req_s']:.1f} | {f['out_tok_s']:.0f} "
                      f"| {f['speculative_share']:.0%} | {f['errors']} |")
+    if rows:
+        window = rows[0]["window_s"]
+        n = max(len(f["timeline_max"]) for f in rows)
+        lines += ["", f"Speculative pool running + queued over time (max per {window:g} s window; pool limit "
+                  f"{rows[0]['pool_limit']}):", "",
+                  "| load_signal | " + " | ".join(f"{k * window:g}s" for k in range(n)) + " |",
+                  "|---|" + "---|" * n]
+        for f in rows:
+            lines.append(f"| `{f['signal']}` | " + " | ".join("-" if v is None else str(v) for v in f["timeline_max"]) + " |")
     return "\n".join(lines)
 
 

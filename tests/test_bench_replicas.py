@@ -44,3 +44,15 @@ def test_replicas_bad_flags_are_one_line(argv, fragment, capsys):
     assert bench_main(["replicas", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and "\n" not in err and err.startswith("bench replicas:")
+
+
+def test_figures_from_samples():
+    cfg = replicas.Config(speculative=2, threshold=8, duration=40)
+    run = replicas.SignalRun("local", samples=[(0.5, 10), (4.5, 20), (5.0, 48), (39.9, 16)], per_instance_max=24)
+    f = replicas.figures(cfg, run)
+    assert (f["pool_limit"], f["max_running"], f["overshoot_max"], f["instance_max"]) == (16, 48, 32, 24)
+    assert f["share_above"] == 0.5 and f["mean_running"] == 23.5
+    assert f["timeline_max"] == [10, 48, None, None, None, None, None, None, None, 16] and f["window_s"] == 4
+    text = replicas.render(cfg, [f])
+    assert "| `local` | 16 | 23.5 | 48 | 32 |" in text
+    assert "| `local` | 10 | 48 | - | - | - | - | - | - | - | 16 |" in text
