@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from router import outlier
+from router.adaptive import Adaptive
 from router.curves import CurvePoints
 from router.metrics import Metrics
-from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, Observation
+from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
 from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
 
@@ -170,6 +171,8 @@ class Pools:
             metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in self.backends))
             metrics.duration.labels(pool)
             metrics.disconnects.labels(pool)
+        if isinstance(self.policy, Adaptive):
+            metrics.bind_adaptive(self.policy, self.view)
 
     @staticmethod
     def _bind_backend(metrics: Metrics, b: Backend) -> None:
@@ -258,6 +261,13 @@ class Pools:
 
     def report_done(self, backend: Backend, obs: Observation) -> None:
         """Called once per finished exchange, just before its lease is released."""
+        if isinstance(self.policy, Adaptive):
+            self.policy.observe(obs)
+
+    def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
+        """Called with each /v1/loads answer of a backend (load_signal backend)."""
+        if isinstance(self.policy, Adaptive):
+            self.policy.observe_loads(backend.url, backend.pool, figs)
 
     # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
     # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.
@@ -296,6 +306,8 @@ class Pools:
         self.backends = backends
         self.by_url = {b.url: b for b in backends}
         self.view = View.of(backends)
+        if self.metrics is not None and isinstance(self.policy, Adaptive):
+            self.metrics.bind_adaptive(self.policy, self.view)  # its gauges read the pools' members
 
     def _drained(self, b: Backend) -> None:
         if self.draining.get(b.url) is b:
