@@ -82,7 +82,7 @@ class Discovery:
         try:
             async with asyncio.timeout(self.settings.health_timeout):
                 endpoints = await self.resolver(host, port)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode
             log.warning("cannot resolve %s (%s pool): %s; keeping %d known backend(s)", host, name.pool,
                         exc, len(name.members))
             self.metrics.discovery_failures.labels(name.pool).inc()
