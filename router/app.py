@@ -21,7 +21,7 @@ from router.policy import Policy
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
-from router.upstream import make_session
+from router.upstream import Limits, make_session
 
 log = logging.getLogger("router")
 
@@ -37,7 +37,10 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
                   policy=make_policy(settings), threshold=settings.threshold, metrics=metrics,
                   outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
-    st = RouterState(settings=settings, pools=pools, metrics=metrics,
+    limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
+    for b in pools.backends:
+        metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting[u])
+    st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
                      resolver=resolver)
     app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
@@ -123,6 +126,9 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
 
     async def probe_new(b: Backend) -> None:
+        # Its connection limit first: a newcomer is not routable before this probe passes.
+        st.limits.add(b.url)
+        st.metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: st.limits.waiting[u])
         if st.health is not None and st.health.session is not None:
             await st.health.probe(b)
 

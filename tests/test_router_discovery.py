@@ -163,6 +163,10 @@ async def test_members_join_and_leave_without_restart(sim_factory, router_factor
         assert await poll(lambda: sims[2].url in pools.by_url and pools.by_url[sims[2].url].healthy, 5)
         seen = {await _backend_of(client) for _ in range(18)}
         assert sims[2].url in seen
+        assert sims[2].url in router.state.limits.slots, "a joined backend gets its connection limit"
+        assert router.metric("router_upstream_waiting_requests", pool="speculative", backend=sims[2].url) == 0
+        assert router.registry.get_sample_value("router_upstream_waiting_requests",
+                                                {"pool": "speculative", "backend": sims[2].url}) is not None
 
         dns.set("sglang-speculative.pool.test", sims[2].url)
         assert await poll(lambda: sorted(pools.by_url) == [sims[2].url], 5)
