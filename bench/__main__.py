@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "drift": ("bench.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
+    "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.

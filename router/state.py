@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from router.discovery import Discovery, Resolver
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.pools import Pools
 from router.settings import Settings
+from router.upstream import Limits
 
 
 @dataclass
@@ -17,6 +19,7 @@ class RouterState:
     settings: Settings
     pools: Pools
     metrics: Metrics
+    limits: Limits
     session: aiohttp.ClientSession | None = None
     health: HealthChecker | None = None
     metrics_url: str | None = None  # set when /metrics listens on its own address
@@ -24,6 +27,8 @@ class RouterState:
     # Open proxied exchanges (router.exchange.Exchange): those left when the drain ends get an explicit error.
     exchanges: set = field(default_factory=set, repr=False)
     acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
+    resolver: Resolver | None = field(default=None, repr=False)  # discovery's DNS seam (None: the system's)
+    discovery: Discovery | None = None
 
 
 STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)
