@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
@@ -34,7 +33,7 @@ from router.observe import (
 from router.policy import POOLS, RETRY
 from router.pools import Lease
 from router.state import STATE, RouterState
-from router.streaming import Usage, scan_usage, split_events
+from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
 from router.watchdog import Watchdog
 
@@ -194,10 +193,7 @@ class Exchange:
     async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
         body = await upstream.read_body(resp, self.lease.backend.url)
         if resp.status == 200 and b'"usage"' in body:
-            try:
-                self.usage.take(json.loads(body))
-            except ValueError:
-                pass
+            self.usage.take(usage_view(body))
         headers = self.headers()
         if "Content-Type" in resp.headers:
             headers["Content-Type"] = resp.headers["Content-Type"]
