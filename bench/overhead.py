@@ -24,6 +24,7 @@ PATH = "/v1/chat/completions"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 PEER = "sglang-router"
 PEER_MODULE = "sglang_router"
+POINTS = ("c1", "high", "stream", "long", "idle")  # c=1 rate, --concurrency rate, TTFB, chunks/s, memory
 # Issue 11's goals for this router, checked on every run (None: not measured in this run).
 GOALS = ("router c=64 rate >= 0.6x sglang-router's", "added p50 at c=1 <= 0.3 ms",
          "added stream TTFB p50 <= 1 ms", "chunks/s through one router core >= 100,000",
@@ -248,16 +249,20 @@ async def idle_streams(url: str, n: int, pid: int, settle: float = 0.5, within: 
 
 async def measure(t: Target, backend_url: str, ns: argparse.Namespace) -> dict:
     out: dict = {}
+    points = set(ns.points)
     await set_mode(backend_url, pace_ms=0, hold_s=0)
-    for c in (1, ns.concurrency):
-        out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
-    await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
-    out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens), 1,
-                                      ns.duration, ns.warmup)
-    await set_mode(backend_url, pace_ms=0, hold_s=0)
-    out["long"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.long_tokens), ns.long_streams,
-                                    ns.duration, ns.warmup)
-    if t.pid is not None and ns.idle_streams > 0:
+    for point, c in (("c1", 1), ("high", ns.concurrency)):
+        if point in points:
+            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
+    if "stream" in points:
+        await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
+        out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens), 1,
+                                          ns.duration, ns.warmup)
+        await set_mode(backend_url, pace_ms=0, hold_s=0)
+    if "long" in points:
+        out["long"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.long_tokens),
+                                        ns.long_streams, ns.duration, ns.warmup)
+    if "idle" in points and t.pid is not None and ns.idle_streams > 0:
         await set_mode(backend_url, pace_ms=0, hold_s=ns.warmup + ns.duration + 30)
         out["idle"] = await idle_streams(t.url, ns.idle_streams, t.pid)
         await set_mode(backend_url, pace_ms=0, hold_s=0)
@@ -367,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-streams", type=int, default=8, help="concurrent long streams (default 8)")
     p.add_argument("--idle-streams", type=int, default=500, help="open idle streams for memory (default 500; 0: skip)")
     p.add_argument("--targets", default=f"direct,router,{PEER}", help=f"comma list of direct,router,{PEER}")
+    p.add_argument("--points", default=",".join(POINTS),
+                   help=f"comma list of {','.join(POINTS)} (default all; fewer: a quicker look at one figure)")
     p.add_argument("--router-policy", default="spillover", help="this router's policy (default spillover)")
     p.add_argument("--peer-policy", default="cache_aware", help=f"{PEER}'s policy (default: its own, cache_aware)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
@@ -384,6 +391,9 @@ def _check(ns: argparse.Namespace) -> str | None:
     bad = set(ns.targets) - {"direct", "router", PEER}
     if bad or not ns.targets:
         return f"--targets: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from direct,router,{PEER}"
+    bad = set(ns.points) - set(POINTS)
+    if bad or not ns.points:
+        return f"--points: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from {','.join(POINTS)}"
     return None
 
 
@@ -448,7 +458,7 @@ def run(ns: argparse.Namespace) -> dict:
     return {"config": {"duration_s": ns.duration, "warmup_s": ns.warmup, "concurrency": ns.concurrency,
                        "pace_ms": ns.pace_ms, "stream_tokens": ns.stream_tokens, "long_tokens": ns.long_tokens,
                        "long_streams": ns.long_streams, "idle_streams": ns.idle_streams,
-                       "router_policy": ns.router_policy, "peer_policy": ns.peer_policy,
+                       "points": ns.points, "router_policy": ns.router_policy, "peer_policy": ns.peer_policy,
                        "cpus": {k: sorted(v) if v else None for k, v in cpus.items()}, "cores": os.cpu_count(),
                        "peer_version": _version(PEER) if PEER in targets else None},
             "targets": {n: {"label": t.label, "summary": summaries[n], "figures": t.figures}
@@ -469,6 +479,7 @@ def main(argv: list[str]) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
     ns.targets = [x.strip() for x in ns.targets.split(",") if x.strip()]
+    ns.points = [x.strip() for x in ns.points.split(",") if x.strip()]
     if (problem := _check(ns)) is not None:
         print(f"bench overhead: {problem}", file=sys.stderr)
         return 2

@@ -177,11 +177,23 @@ def test_overhead_skips_sglang_router_with_one_line_when_absent(tmp_path):
     assert json.loads((tmp_path / "o.json").read_text())["targets"] == {}
 
 
+@pytest.mark.timeout(60)
+def test_overhead_points_picks_figures(tmp_path):
+    r = _run([*TINY, "--targets", "direct", "--points", "c1", "--json", str(tmp_path / "o.json")], timeout=50)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert list(data["targets"]["direct"]["figures"]) == ["c1"]
+    s = data["targets"]["direct"]["summary"]
+    assert s["c1_req_per_s"] > 0 and s["high_req_per_s"] is None and s["chunks_per_s"] is None
+    assert "| direct to the backend |" in r.stdout and "—" in r.stdout
+
+
 @pytest.mark.parametrize("args, words", [
     (["--duration", "0"], "--duration must be > 0"),
     (["--targets", "direct,nginx"], "unknown nginx"),
     (["--idle-streams", "-1"], "--idle-streams >= 0"),
     (["--bogus"], "unrecognized arguments"),
+    (["--points", "c1,p99"], "unknown p99"),
 ])
 def test_overhead_bad_flags_one_line_exit_2(args, words):
     r = _run(args, timeout=30)
