@@ -36,16 +36,20 @@ async def stack(sim_factory, router_factory, spec_faults=None, speedup=20.0, **r
 async def idle_everywhere(router, *sims) -> None:
     assert set((await router.wait_idle()).values()) == {0}
     for s in sims:
-        assert await poll(lambda: True, 0) and await _quiet(s.url)
+        assert await _quiet(s.url), await sim_stats(s.url)
 
 
-async def _quiet(url: str) -> bool:
-    for _ in range(100):
+async def _quiet(url: str, within: float = 5.0) -> bool:
+    """Until the simulator has nothing running or queued (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
         st = await sim_stats(url)
         if st["running"] == 0 and st["queued"] == 0:
             return True
+        if loop.time() > deadline:
+            return False
         await asyncio.sleep(0.05)
-    return False
 
 
 def up(router, url: str) -> float:
@@ -53,6 +57,13 @@ def up(router, url: str) -> float:
 
 
 async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_factory, router_factory):
+    """SIGKILL of a backend with streams in flight: every client gets a complete answer or an explicit error.
+
+    The accounting, as README "Metrics" and docs/TESTING.md define it: `router_upstream_errors_total` counts
+    failed upstream *attempts*, so a request whose connection died before its headers and that was retried on
+    the other pool counts one `disconnect` while its client saw a complete answer (this is why an equality
+    of disconnects and in-band errors failed under CPU load: more requests are caught before their headers).
+    `router_client_disconnects_total` counts only clients that left: a retried request is not one."""
     spec = await sim_process_factory("eagle3-tp8", speedup=5.0)
     base = await sim_factory("baseline-tp8", speedup=20.0)
     router = await router_factory([spec.url], [base.url], threshold=1000, **FAST)
@@ -61,12 +72,23 @@ async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_fac
     assert await poll(lambda: router.metric("router_time_to_first_token_seconds_count", pool="speculative") >= 4, 10)
     spec.kill()
     tally = await task
-    assert set(tally.seen) <= {"complete", CLOSED}
+    # After headers but before the first chunk, the death is a 502 (nothing reached the client yet).
+    assert set(tally.seen) <= {"complete", CLOSED, "HTTP 502"}, tally.seen
     assert tally.seen[CLOSED] >= 4  # the streams in flight at the kill: in-band error, then [DONE]
     assert tally.seen["complete"] >= 48 - 8
     assert up(router, spec.url) == 0
     await idle_everywhere(router, base)
-    assert router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect") == tally.seen[CLOSED]
+    disconnects = router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect")
+    refused = router.metric("router_upstream_errors_total", backend=spec.url, kind="connect")
+    retried = router.metric("router_retries_total", pool="baseline")
+    # Every upstream disconnect reached its client (in-band error or 502) or was retried; the only other
+    # retries are of refused connections (after the kill, before the ejection).
+    explicit = tally.seen[CLOSED] + tally.seen["HTTP 502"]
+    assert disconnects >= explicit
+    assert retried == (disconnects - explicit) + refused
+    assert tally.seen["complete"] == 48 - explicit
+    for pool in ("speculative", "baseline"):
+        assert router.metric("router_client_disconnects_total", pool=pool) == 0
 
 
 async def test_hang_before_first_byte_is_504_then_failover_when_health_fails(sim_factory, router_factory):
