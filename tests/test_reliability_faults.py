@@ -66,7 +66,10 @@ async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_fac
     `router_client_disconnects_total` counts only clients that left: a retried request is not one."""
     spec = await sim_process_factory("eagle3-tp8", speedup=5.0)
     base = await sim_factory("baseline-tp8", speedup=20.0)
-    router = await router_factory([spec.url], [base.url], threshold=1000, **FAST)
+    # A dead process answers at once (RST): long first-byte and idle deadlines keep a busy machine's slow
+    # first tokens from adding 504s and idle errors that have nothing to do with the kill.
+    router = await router_factory([spec.url], [base.url], threshold=1000,
+                                  **{**FAST, "first_byte_timeout": 30.0, "idle_timeout": 30.0})
     task = asyncio.create_task(load(router.url, 48, streams=8, max_tokens=400))
     # Until at least four streams have sent their first event to their clients (bounded).
     assert await poll(lambda: router.metric("router_time_to_first_token_seconds_count", pool="speculative") >= 4, 10)
