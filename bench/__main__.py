@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("bench.sweep", "closed/open-loop concurrency sweep against OpenAI-compatible targets"),
     "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "calibrate": ("bench.calibrate", "measure both pools and recommend the spillover threshold"),
+    "plan": ("bench.plan", "break-even: which deployment of the same GPUs wins at which load (from compare JSON)"),
     "demo": ("bench.demo", "two simulated backends + router + a short sweep (the README's first command)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),

@@ -18,7 +18,7 @@ from bench.sweep import (
     run_sweep,
     write_outputs,
 )
-from router.policy import request_speed
+from router.curves import curve_throughput, request_speed
 
 OBJECTIVES = ("throughput", "latency")
 SCORE_TIE = 0.005
@@ -42,14 +42,7 @@ class Curve:
 
     def throughput(self, c: float) -> float:
         """Linear between measured levels, 0 at 0, flat beyond the last (a saturated server)."""
-        if c <= 0:
-            return 0.0
-        xs, ys = [0, *self.levels], [0.0, *self.tput]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), zip(xs[1:], ys[1:], strict=True),
-                                      strict=False):
-            if c <= x1:
-                return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
-        return ys[-1]
+        return curve_throughput(tuple(zip(self.levels, self.tput, strict=True)), c)
 
     def latency(self, c: float) -> float:
         """Median E2E ms; beyond the last level requests queue, so latency grows in proportion to c."""
@@ -129,7 +122,7 @@ def curve_setting(curve: Curve) -> str:
 def balanced_split(spec: Curve, base: Curve, c: int, n_spec: int = 1, n_base: int = 1) -> list[int]:
     """In-flight requests per instance (speculative instances first) when the router's balanced policy
     places `c` requests one at a time: each goes to the least-loaded instance of the pool whose
-    X(n+1)/(n+1) is higher, ties to speculative (router.policy.balanced, on the same curves)."""
+    X(n+1)/(n+1) is higher, ties to speculative (router.policy.Balanced, on the same curves)."""
     sp, bp = curve_points(spec), curve_points(base)
     counts = [0] * (n_spec + n_base)
     for _ in range(c):

@@ -1,5 +1,6 @@
 """`python -m bench compare`: the canonical experiment on one pair of backends. Routers for all-baseline,
-all-speculative, spillover at the calibrated threshold and round-robin; winner per level; a verdict."""
+all-speculative, spillover at the calibrated threshold, round-robin, balanced (and global); winner per
+level; a verdict; and, with `--reference`, every configuration against other deployments of the same GPUs."""
 from __future__ import annotations
 
 import asyncio
@@ -11,12 +12,19 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import calibrate, figures, procs
+from bench import calibrate, equal, figures, procs
 from bench.load import BenchInputError
+from bench.sim.profiles import ProfileError
 from bench.sweep import ArgError, SweepConfig, add_load_args, parser, run_async, run_sweep, write_outputs
 
-NOISE = 0.03  # closed-loop runs of a few requests per client repeat within about this fraction
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced")
+NOISE = equal.NOISE
+# Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
+# the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
+# _routed() that starts its router.
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "global")
+SINGLE = ("all-baseline", "all-speculative")
+ROUTED = ("spillover", "round-robin", "balanced", "global")
+DEFAULT_ROUTED = ("spillover", "round-robin", "balanced")
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -53,20 +61,20 @@ def winners(results: dict[str, list[dict]]) -> list[dict]:
 def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None, threshold: int,
             spec: calibrate.Curve | None, base: calibrate.Curve | None) -> tuple[list[str], list[dict]]:
     """Per level: spillover against the best other configuration, and why when it is behind."""
-    lines, rows = [], []
+    lines, rows = [], [{"concurrency": f["concurrency"]} for f in results["all-baseline"]]
     # Spillover is judged against the four configurations it was built to beat; balanced gets its own lines.
-    others = [n for n in results if n not in ("spillover", "balanced")]
-    for i, sp in enumerate(results["spillover"]):
+    others = [n for n in results if n not in ("spillover", "balanced", "global")]
+    for i, sp in enumerate(results.get("spillover", [])):
         c = sp["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
         b = figures.tput(results[best][i])
         ratio = figures.tput(sp) / b if b else float("inf")
         status = "above" if ratio >= 1.0 else ("within noise" if ratio >= 1 - NOISE else "BELOW")
-        row = {"concurrency": c, "spillover": figures.tput(sp), "best_other": best,
-               "best_other_tput": b, "ratio": ratio, "status": status}
+        row = rows[i]
+        row |= {"spillover": figures.tput(sp), "best_other": best,
+                "best_other_tput": b, "ratio": ratio, "status": status}
         if rec is not None and c in rec.expected:
             row["expected_spillover"] = rec.expected[c]["spillover"]
-        rows.append(row)
         text = (f"c={c}: spillover@{threshold} {figures.tput(sp):.1f} tok/s vs best other "
                 f"({best}) {b:.1f} -> {ratio:.2f}x, {status}")
         if status == "BELOW":
@@ -81,7 +89,7 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
 def balanced_verdict(results: dict[str, list[dict]], rec, rows: list[dict]) -> list[str]:
     """Per level: balanced against the best of the other configurations (spillover included)."""
     lines = []
-    others = [n for n in results if n != "balanced"]
+    others = [n for n in results if n not in ("balanced", "global")]
     for i, bal in enumerate(results["balanced"]):
         c = bal["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -136,13 +144,38 @@ def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float,
 def main(argv: list[str]) -> int:
     p = parser("python -m bench compare",
                "spillover (calibrated) vs all-baseline vs all-speculative vs round-robin vs balanced on one pair of "
-               "backends: simulated ones started here (default) or your own servers.")
+               "backends: simulated ones started here (default) or your own servers; with --reference, each of "
+               "them against other deployments of the same GPUs.")
     p.add_argument("--speculative-profile", default="eagle3-tp8", help="simulator profile (default eagle3-tp8)")
     p.add_argument("--baseline-profile", default="baseline-tp8", help="simulator profile (default baseline-tp8)")
     p.add_argument("--speculative", metavar="URL", help="use this running speculative server instead of a sim")
     p.add_argument("--baseline", metavar="URL", help="use this running baseline server instead of a sim")
+    p.add_argument("--colocated", action="store_true",
+                   help="simulators: both servers share one simulated set of GPUs (bench sim --colocated-with); "
+                        "the pair then uses the GPUs of one of them, not both")
+    p.add_argument("--kv-share", type=float, default=0.5,
+                   help="--colocated: the speculative server's share of the KV memory (default 0.5)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="GPUs the two servers use together (default: from the profiles' TP sizes; required "
+                        "with --speculative/--baseline URLs when --reference is given)")
+    p.add_argument("--reference", type=equal.parse_reference, action="append", default=[],
+                   metavar="NAME=URL[@GPUS]|NAME=profile:PROFILE",
+                   help="another deployment of the same GPUs to measure the same way (repeatable): a running "
+                        "server, or a simulator of PROFILE started here")
+    p.add_argument("--reference-gpus", type=int, default=None, metavar="N",
+                   help="GPUs of URL references that do not say @GPUS")
+    p.add_argument("--configs", default=None, metavar="LIST",
+                   help=f"routed configurations to run, comma-separated, from {','.join(ROUTED)} (default "
+                        f"{','.join(DEFAULT_ROUTED)}, plus global with --colocated); all-baseline and "
+                        "all-speculative always run")
     p.add_argument("--threshold", type=int, default=None,
                    help="spillover threshold to test (default: calibrated from the all-* runs)")
+    p.add_argument("--global-threshold", type=int, default=None,
+                   help="global: total in-flight below which requests go to the speculative server (default: "
+                        "where the measured all-speculative curve falls below all-baseline)")
+    p.add_argument("--hysteresis", type=int, default=None,
+                   help="global: come back to speculative only below threshold - hysteresis (default: a quarter "
+                        "of the global threshold, at least 1)")
     p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default=None, help="output file stem (default compare-SPEC-BASE)")
@@ -156,16 +189,40 @@ def main(argv: list[str]) -> int:
             return _rerender(ns.from_json)
         if (ns.speculative is None) != (ns.baseline is None):
             raise ArgError("give both --speculative and --baseline URLs, or neither (simulators)")
-        if ns.threshold is not None and ns.threshold < 0:
-            raise ArgError("--threshold must be >= 0")
-    except ArgError as exc:
+        for flag in ("threshold", "global_threshold", "hysteresis"):
+            if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
+                raise ArgError(f"--{flag.replace('_', '-')} must be >= 0")
+        for flag in ("gpus", "reference_gpus"):
+            if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
+                raise ArgError(f"--{flag.replace('_', '-')} must be >= 1")
+        if not 0 < ns.kv_share < 1:
+            raise ArgError("--kv-share must be between 0 and 1")
+        if ns.colocated and ns.speculative is not None:
+            raise ArgError("--colocated starts simulators; for your own co-located servers give their URLs "
+                           "and --gpus (the GPUs they share)")
+        ns.routed = _parse_configs(ns.configs, ns.colocated)
+        names = [r.name for r in ns.reference]
+        if len(set(names)) != len(names) or set(names) & set(CONFIGS):
+            raise ArgError("reference names must be unique and differ from the configuration names")
+        ns.reference = equal.resolve_gpus(ns.reference, ns.reference_gpus)
+    except (ArgError, ProfileError, ValueError) as exc:
         print(f"bench compare: {exc}", file=sys.stderr)
         return 2
     external = ns.speculative is not None
     if ns.speedup is None:
         ns.speedup = 1.0 if external else 5.0
+    try:
+        ns.pair_gpus = ns.gpus if ns.gpus is not None or external else _pair_gpus(ns)
+    except ProfileError as exc:
+        print(f"bench compare: {exc}", file=sys.stderr)
+        return 2
+    if ns.reference and ns.pair_gpus is None:
+        print("bench compare: say how many GPUs your two servers use together (--gpus N) to compare them "
+              "with references", file=sys.stderr)
+        return 2
     name = ns.name or ("compare" if external else
-                       f"compare-{Path(ns.speculative_profile).stem}-{Path(ns.baseline_profile).stem}")
+                       f"compare-{Path(ns.speculative_profile).stem}-{Path(ns.baseline_profile).stem}"
+                       + ("-colocated" if ns.colocated else ""))
     try:
         with procs.ProcGroup() as group:
             return _run(ns, group, external, name, "python -m bench compare " + " ".join(argv))
@@ -177,6 +234,50 @@ def main(argv: list[str]) -> int:
         return 130
 
 
+def _parse_configs(text: str | None, colocated: bool) -> list[str]:
+    if text is None:
+        return [*DEFAULT_ROUTED, "global"] if colocated else list(DEFAULT_ROUTED)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ROUTED and n not in SINGLE]
+    if bad:
+        raise ArgError(f"--configs: unknown configuration {bad[0]!r}; choose from {', '.join(ROUTED)}")
+    return [n for n in ROUTED if n in names]
+
+
+def _pair_gpus(ns) -> int:
+    """Simulated pair: the two servers' TP sizes add up, unless they share their GPUs (co-located)."""
+    gpus = []
+    for role, profile in (("speculative sim", ns.speculative_profile), ("baseline sim", ns.baseline_profile)):
+        try:
+            gpus.append(equal.profile_gpus(profile))
+        except ProfileError as exc:
+            raise ProfileError(f"{role}: {exc}") from None
+    return max(gpus) if ns.colocated else sum(gpus)
+
+
+def global_threshold(spec: calibrate.Curve, base: calibrate.Curve) -> int:
+    """Total in-flight below which the speculative server alone is at least as fast as the baseline alone:
+    where the two measured curves cross (linear between levels), 0 when it is slower from the start."""
+    levels = sorted(set(spec.levels) | set(base.levels))
+    if spec.throughput(levels[0]) < base.throughput(levels[0]):
+        return 0
+    prev = levels[0]
+    for c in levels[1:]:
+        if spec.throughput(c) < base.throughput(c):
+            # the crossing between prev and c, from the straight lines of both curves
+            ds = spec.throughput(c) - spec.throughput(prev)
+            db = base.throughput(c) - base.throughput(prev)
+            gap = spec.throughput(prev) - base.throughput(prev)
+            x = prev + gap / (db - ds) * (c - prev) if db != ds else prev
+            return max(1, int(x))
+        prev = c
+    return levels[-1]
+
+
+def default_hysteresis(threshold: int) -> int:
+    return max(1, threshold // 4) if threshold > 0 else 0
+
+
 def _rerender(path: Path) -> int:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -185,7 +286,7 @@ def _rerender(path: Path) -> int:
         print(f"bench compare: cannot re-render {path}: {type(exc).__name__} {exc}", file=sys.stderr)
         return 2
     print(text)
-    figures.plot(path.with_suffix(".png"), data["results"], title=extra["title"])
+    figures.plot(path.with_suffix(".png"), data["results"], title=extra["title"], gpus=data.get("gpus"))
     path.with_suffix(".md").write_text(md, encoding="utf-8")
     path.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
     return 0
@@ -199,70 +300,114 @@ def _cfg(ns, targets) -> SweepConfig:
                        rounds=ns.rounds)
 
 
+def _start_pair(ns, group: procs.ProcGroup) -> tuple[str, str]:
+    if ns.colocated:
+        start = getattr(procs, "start_colocated", None)
+        if start is None:
+            raise BenchInputError("this build has no co-located simulator (bench.procs.start_colocated)")
+        pair, spec_url, base_url = start(ns.speculative_profile, ns.baseline_profile, ns.speedup,
+                                         kv_share=ns.kv_share)
+        group.add(pair)
+        return spec_url, base_url
+    spec_url = group.add(procs.start_sim(ns.speculative_profile, ns.speedup, "speculative sim")).url
+    base_url = group.add(procs.start_sim(ns.baseline_profile, ns.speedup, "baseline sim")).url
+    return spec_url, base_url
+
+
 def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int:
     load_start, t_start = os.getloadavg(), time.time()
     if external:
         spec_url, base_url = ns.speculative.rstrip("/"), ns.baseline.rstrip("/")
     else:
-        spec_url = group.add(procs.start_sim(ns.speculative_profile, ns.speedup, "speculative sim")).url
-        base_url = group.add(procs.start_sim(ns.baseline_profile, ns.speedup, "baseline sim")).url
-    print(f"speculative backend {spec_url}, baseline backend {base_url}, speedup {ns.speedup:g}",
-          file=sys.stderr)
+        spec_url, base_url = _start_pair(ns, group)
+    print(f"speculative backend {spec_url}, baseline backend {base_url}, speedup {ns.speedup:g}"
+          + (" (co-located: one set of GPUs)" if ns.colocated else ""), file=sys.stderr)
+    refs = []
+    for r in ns.reference:
+        url = r.url or group.add(procs.start_sim(r.profile, ns.speedup, f"reference {r.name}")).url
+        refs.append((r.name, url))
+        print(f"reference {r.describe()} at {url}", file=sys.stderr)
 
-    def router(policy: str, spec: bool, base: bool, threshold: int | None = None) -> str:
+    def router(policy: str, spec: bool, base: bool, threshold: int | None = None,
+               extra: list[str] | None = None) -> str:
         r = group.add(procs.start_router([spec_url] if spec else [], [base_url] if base else [], policy,
-                                         threshold))
+                                         threshold, extra=extra))
         run_async(wait_routing(r.url, ns.model))
         return r.url
 
-    # Phase 1: each pool alone behind its own router; this is also the calibration data.
+    # Phase 1: each pool alone behind its own router (also the calibration data), and the references,
+    # measured the same way at the same levels.
     targets = [("all-baseline", router("spillover", False, True)),
-               ("all-speculative", router("spillover", True, False))]
+               ("all-speculative", router("spillover", True, False)), *refs]
     single = run_async(run_sweep(_cfg(ns, targets)))
-    rec = spec_curve = base_curve = None
-    levels = ns.concurrency
+    rec = None
+    spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
+    base_curve = calibrate.Curve.from_figs(single["all-baseline"])
     threshold = ns.threshold
     if threshold is None:
-        spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
-        base_curve = calibrate.Curve.from_figs(single["all-baseline"])
         levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
         rec = calibrate.recommend(spec_curve, base_curve, levels, ns.objective)
         threshold = rec.threshold
         print(calibrate.render(rec, spec_curve, base_curve, levels), file=sys.stderr)
-    # Phase 2: both pools behind the two routers that choose between them.
+    g_threshold = ns.global_threshold if ns.global_threshold is not None else global_threshold(spec_curve,
+                                                                                               base_curve)
+    hysteresis = ns.hysteresis if ns.hysteresis is not None else default_hysteresis(g_threshold)
+    # Phase 2: both pools behind the routers that choose between them.
     # balanced runs on the curves phase 1 just measured, exactly as calibrate prints them for the router.
-    spec_pts = calibrate.curve_setting(calibrate.Curve.from_figs(single["all-speculative"]))
-    base_pts = calibrate.curve_setting(calibrate.Curve.from_figs(single["all-baseline"]))
-    bal = group.add(procs.start_router([spec_url], [base_url], "balanced", None, extra=[
-        "--speculative-curve", spec_pts, "--baseline-curve", base_pts]))
-    run_async(wait_routing(bal.url, ns.model))
-    targets = [("spillover", router("spillover", True, True, threshold)),
-               ("round-robin", router("round-robin", True, True)), ("balanced", bal.url)]
-    mixed = run_async(run_sweep(_cfg(ns, targets)))
-    results = {n: (mixed | single)[n] for n in CONFIGS}
+    spec_pts, base_pts = calibrate.curve_setting(spec_curve), calibrate.curve_setting(base_curve)
+    targets = [(n, _routed(n, router, threshold, spec_pts, base_pts, g_threshold, hysteresis)) for n in ns.routed]
+    mixed = run_async(run_sweep(_cfg(ns, targets))) if targets else {}
+    configs = [n for n in CONFIGS if n in mixed or n in SINGLE]
+    results = {n: (mixed | single)[n] for n in configs} | {n: single[n] for n, _ in refs}
+    gpus = {n: ns.pair_gpus for n in configs} | {r.name: r.gpus for r in ns.reference}
     cfg = _cfg(ns, []).as_dict() | {
         "speculative": spec_url if external else ns.speculative_profile,
         "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
         "speculative_curve": spec_pts, "baseline_curve": base_pts,
-        "objective": ns.objective, "command": cmd}
+        "objective": ns.objective, "command": cmd, "colocated": ns.colocated,
+        "deployment": "colocated" if ns.colocated else "split"}
+    if ns.colocated:
+        cfg["kv_share"] = ns.kv_share
+    if "global" in mixed:
+        cfg |= {"global_threshold": g_threshold, "hysteresis": hysteresis}
     # Other work on the host skews a closed-loop run; record how busy it was for whoever reads the results.
     host = {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),
             "wall_seconds": round(time.time() - t_start, 1)}
-    data = {"config": cfg, "results": results, "host": host, "calibrated": rec is not None}
+    data = {"config": cfg, "results": results, "host": host, "calibrated": rec is not None,
+            "configs": configs, "references": {r.name: r.as_dict() for r in ns.reference}, "gpus": gpus}
     text, md, extra = report(data)
     print(text)
     paths = write_outputs(ns.out, name, cfg, results, title=extra["title"], plot=not ns.no_plot,
-                          extra={k: v for k, v in (data | extra).items() if k not in ("config", "results")})
+                          extra={k: v for k, v in (data | extra).items() if k not in ("config", "results")},
+                          gpus=gpus)
     (ns.out / f"{name}.md").write_text(md, encoding="utf-8")
     (ns.out / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
     print("wrote " + ", ".join(str(x) for x in [*paths, ns.out / f"{name}.md", ns.out / f"{name}.txt"]))
     return 0
 
 
+def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_threshold: int,
+            hysteresis: int) -> str:
+    """Start the router of one routed configuration; returns its URL."""
+    if name == "spillover":
+        return router("spillover", True, True, threshold)
+    if name == "round-robin":
+        return router("round-robin", True, True)
+    if name == "balanced":
+        return router("balanced", True, True, None, ["--speculative-curve", spec_pts, "--baseline-curve", base_pts])
+    if name == "global":
+        return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])
+    raise ValueError(f"no router recipe for configuration {name!r}")
+
+
 def report(data: dict) -> tuple[str, str, dict]:
     """Text and markdown reports of one compare run from its JSON-able data (so a saved run can be
-    re-rendered with --from-json): calibration evidence, tables, winners, verdict."""
+    re-rendered with --from-json): equal-hardware verdict, calibration evidence, tables, winners, verdict."""
     cfg, results = data["config"], data["results"]
+    configs = data.get("configs") or [n for n in results if n in CONFIGS]
+    refs = list(data.get("references") or {})
+    gpus = data.get("gpus") or {}
+    own = {n: results[n] for n in configs}
     threshold = cfg["threshold"]
     rec = spec_curve = base_curve = None
     calib = ""
@@ -272,16 +417,31 @@ def report(data: dict) -> tuple[str, str, dict]:
         levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
         rec = calibrate.recommend(spec_curve, base_curve, levels, cfg.get("objective", "throughput"))
         calib = calibrate.render(rec, spec_curve, base_curve, levels)
-    win = winners(results)
-    lines, rows = verdict(results, rec, threshold, spec_curve, base_curve)
+    win = winners(own)
+    lines, rows = verdict(own, rec, threshold, spec_curve, base_curve)
+    pair = "co-located pair" if cfg.get("colocated") else "pair"
     title = f"bench compare: {cfg['speculative']} vs {cfg['baseline']}, spillover threshold {threshold}"
+    if configs and gpus.get(configs[0]):
+        title += f" ({pair} on {equal.gpus_label(gpus[configs[0]])})"
     text = [title, ""]
+    eq_rows, eq_lines = [], []
+    if refs:
+        eq_rows = equal.judge(results, configs, refs, gpus)
+        eq_lines = equal.verdict_lines(eq_rows, configs, refs, gpus)
+        text += [eq_lines[0], ""]
+        text += ["references: " + ", ".join(f"{n} = " + (r.get("profile") and f"profile {r['profile']}"
+                                                          or str(r.get("url"))) + f" ({equal.gpus_label(r.get('gpus'))})"
+                                            for n, r in data["references"].items()), ""]
     if "speculative_curve" in cfg:
         text += [f"balanced ran with --speculative-curve {cfg['speculative_curve']} "
                  f"--baseline-curve {cfg['baseline_curve']}", ""]
+    if "global_threshold" in cfg:
+        text += [f"global ran with --threshold {cfg['global_threshold']} --hysteresis {cfg['hysteresis']} "
+                 "(total in-flight; where the all-speculative curve falls below all-baseline)", ""]
     if calib:
         text += ["calibration from the all-speculative and all-baseline runs:", calib, ""]
-    text += [figures.render_table(results), "", "winners per level (throughput / median E2E latency):"]
+    text += [figures.render_table(results, gpus=gpus or None), "",
+             "winners per level among the router configurations (throughput / median E2E latency):"]
     text += [f"  c={w['concurrency']}: {w['throughput_winner']} / {w['latency_winner']}" for w in win]
     text += ["", f"verdict: spillover@{threshold} against the best other configuration, then balanced "
                  f"against the best other configuration (noise band {NOISE:.0%}):"]
@@ -290,30 +450,49 @@ def report(data: dict) -> tuple[str, str, dict]:
         text.append("calibrate's expected spillover vs measured (tok/s): " + ", ".join(
             f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
             for r in rows if "expected_spillover" in r))
+    if refs:
+        text += ["", "equal hardware: which deployment of these GPUs wins at each level (noise band "
+                     f"{NOISE:.0%}):"]
+        text += ["  " + line for line in eq_lines]
+        text += ["", equal.render_text(eq_rows, configs, refs, gpus)]
     host = data.get("host")
     if host:
         text.append(f"host: {host['cpus']} CPUs, load average {host['loadavg_at_start'][0]:.1f} at start, "
                     f"{host['loadavg_at_end'][0]:.1f} at end, {host['wall_seconds']:.0f} s wall")
     extra = {"title": title, "winners": win, "verdict": rows, "verdict_text": lines,
              "calibration": calibrate.rec_json(rec) if rec else None}
-    md = _markdown(title, results, win, lines, calib, cfg.get("command", ""), rows, threshold)
+    if refs:
+        extra |= {"equal_hardware": eq_rows, "equal_hardware_text": eq_lines}
+    md = _markdown(title, own, win, lines, calib, cfg.get("command", ""), rows, threshold, gpus)
+    if refs:
+        md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, configs, refs, gpus))
     return "\n".join(text), md, extra
 
 
-def _markdown(title, results, win, lines, calib, cmd, rows, threshold) -> str:
+def _with_equal(md: str, eq_lines: list[str], table: str) -> str:
+    """The equal-hardware verdict goes first, right under the title and command."""
+    head, sep, rest = md.partition("Output throughput (tok/s, bench_serving")
+    body = [f"**{eq_lines[0]}**", "", table, "Per level:", ""] + [f"- {x}" for x in eq_lines[1:]] + [
+        "", "### The router configurations among themselves", "", ""]
+    return head + "\n".join(body) + sep + rest
+
+
+def _markdown(title, results, win, lines, calib, cmd, rows, threshold, gpus=None) -> str:
     out = [f"## {title}", ""]
     if cmd:
         out += ["```", cmd, "```", ""]
     names = list(results)
+    gpus = gpus or {}
+    heads = [equal.header(n, gpus) for n in names]
     out += ["Output throughput (tok/s, bench_serving's `output_throughput`) and the winners per level:", "",
-            "| concurrency | " + " | ".join(names) + " | throughput winner | median-latency winner |",
+            "| concurrency | " + " | ".join(heads) + " | throughput winner | median-latency winner |",
             "|" + "---|" * (len(names) + 3)]
     for i, w in enumerate(win):
         out.append(f"| {w['concurrency']} | " + " | ".join(f"{figures.tput(results[n][i]):.1f}"
                                                             for n in names)
                    + f" | {w['throughput_winner']} | {w['latency_winner']} |")
     out += ["", "Median TTFT / median E2E latency (s):", "",
-            "| concurrency | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+            "| concurrency | " + " | ".join(heads) + " |", "|" + "---|" * (len(names) + 1)]
     for i, w in enumerate(win):
         out.append(f"| {w['concurrency']} | " + " | ".join(
             f"{results[n][i]['median_ttft_ms'] / 1000:.2f} / {results[n][i]['median_e2e_latency_ms'] / 1000:.1f}"

@@ -134,9 +134,11 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return f"{v:,.{digits}f}"
 
 
-def render_table(results: dict[str, list[dict]], title: str | None = None) -> str:
+def render_table(results: dict[str, list[dict]], title: str | None = None,
+                 gpus: dict[str, int | None] | None = None) -> str:
     """Load rows, one column per target: output throughput with each target's ratio to the first,
-    then median TTFT / ITL / E2E and failures, each as its own block."""
+    then median TTFT / ITL / E2E and failures, each as its own block. With `gpus` a line under the
+    tables says how many GPUs each column uses, and warns in that line when they differ."""
     names = list(results)
     first = names[0]
     open_loop = bool(results[first]) and results[first][0].get("request_rate") is not None
@@ -171,7 +173,17 @@ def render_table(results: dict[str, list[dict]], title: str | None = None) -> st
         out.append("  ".join("-" * w for w in widths))
         out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
         out.append("")
+    if gpus:
+        out.append(gpus_line(names, gpus))
     return "\n".join(out).rstrip("\n")
+
+
+def gpus_line(names: list[str], gpus: dict[str, int | None]) -> str:
+    from bench.equal import gpus_label, hardware_note
+
+    note = hardware_note(names, gpus)
+    return "GPUs per column: " + ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names) + (
+        f" ({note})" if note else " (equal hardware)")
 
 
 def render_markdown(results: dict[str, list[dict]]) -> str:
@@ -209,20 +221,23 @@ def write_json(path: Path, payload: dict) -> None:
 CSV_FIELDS = ["target", "concurrency", "request_rate", "completed", "failed", "duration_s",
               "total_output_tokens", "total_input_tokens", "request_throughput", "output_throughput",
               "steady_output_throughput", "steady_window_s", "total_token_throughput", "mean_concurrency", "accept_length"] + [
-    f"{s}_{m}_ms" for m in METRICS for s in STATS]
+    f"{s}_{m}_ms" for m in METRICS for s in STATS] + ["gpus"]
 
 
-def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
+def write_csv(path: Path, results: dict[str, list[dict]], gpus: dict[str, int | None] | None = None) -> None:
+    """One row per target and level; the `gpus` column is empty where the GPU count is not known."""
     with path.open("w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for name, figs in results.items():
             for f in figs:
-                w.writerow(_clean({**f, "target": name}))
+                w.writerow(_clean({**f, "target": name, "gpus": (gpus or {}).get(name)}))
 
 
-def plot(path: Path, results: dict[str, list[dict]], title: str = "") -> Path:
-    """Throughput, median TTFT and mean ITL vs load, one line per target, log-scaled load axis."""
+def plot(path: Path, results: dict[str, list[dict]], title: str = "",
+         gpus: dict[str, int | None] | None = None) -> Path:
+    """Throughput, median TTFT and mean ITL vs load, one line per target, log-scaled load axis; with
+    `gpus` each legend entry carries its GPU count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +254,8 @@ def plot(path: Path, results: dict[str, list[dict]], title: str = "") -> Path:
         for name, figs in results.items():
             pts = [(f[xkey], f[key]) for f in figs if f.get(key) is not None and not math.isnan(f[key])]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                label = f"{name} [{gpus[name]} GPUs]" if gpus and gpus.get(name) else name
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("log")
         xs = sorted({f[xkey] for figs in results.values() for f in figs if f.get(xkey) is not None})
         ax.set_xticks(xs)

@@ -250,13 +250,14 @@ class _Null:
 
 
 def write_outputs(out: Path, stem: str, cfg: dict, results: dict[str, list[dict]], title: str = "",
-                  plot: bool = True, extra: dict | None = None) -> list[Path]:
+                  plot: bool = True, extra: dict | None = None,
+                  gpus: dict[str, int | None] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.csv"]
     figures.write_json(paths[0], {"config": cfg, "results": results, **(extra or {})})
-    figures.write_csv(paths[1], results)
+    figures.write_csv(paths[1], results, gpus)
     if plot:
-        paths.append(figures.plot(out / f"{stem}.png", results, title=title))
+        paths.append(figures.plot(out / f"{stem}.png", results, title=title, gpus=gpus))
     return paths
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router import proxy
+from router import exchange, handlers
 from router.accept import Acceptor, listen_socket
 from router.errors import error_middleware
 from router.health import HealthChecker
@@ -31,17 +31,17 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
-    app = web.Application(middlewares=[proxy.count_rejections, error_middleware, proxy.auth_middleware],
+    app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
-    _add(app, "POST", proxy.CHAT, proxy.chat_completions)
-    _add(app, "POST", proxy.COMPLETIONS, proxy.completions)
-    _add(app, "GET", "/v1/models", proxy.models)
-    _add(app, "GET", "/health", proxy.health)
-    _add(app, "GET", "/ready", proxy.ready)
+    _add(app, "POST", exchange.CHAT, exchange.chat_completions)
+    _add(app, "POST", exchange.COMPLETIONS, exchange.completions)
+    _add(app, "GET", "/v1/models", handlers.models)
+    _add(app, "GET", "/health", handlers.health)
+    _add(app, "GET", "/ready", handlers.ready)
     if settings.metrics_port is None:
-        _add(app, "GET", "/metrics", proxy.metrics_handler(st))
-    _add(app, "*", "/{tail:.*}", proxy.unrouted)
+        _add(app, "GET", "/metrics", handlers.metrics_handler(st))
+    _add(app, "*", "/{tail:.*}", handlers.unrouted)
     app.on_shutdown.append(_stop_accepting)
     app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
@@ -56,9 +56,9 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
 def _add(app: web.Application, method: str, path: str, handler) -> None:
     # Every path has a route (the last one catches the rest), so every answer passes the middlewares
     # and the router's own Expect handling.
-    app.router.add_route(method, path, handler, expect_handler=proxy.expect_handler)
+    app.router.add_route(method, path, handler, expect_handler=handlers.expect_handler)
     if method == "GET":
-        app.router.add_route("HEAD", path, handler, expect_handler=proxy.expect_handler)
+        app.router.add_route("HEAD", path, handler, expect_handler=handlers.expect_handler)
 
 
 def _handler_args(settings: Settings) -> dict:
@@ -83,7 +83,7 @@ async def _drain_deadline(app: web.Application) -> None:
     # and drain_timeout 0 would mean "wait for ever" to aiohttp.
     st = app[STATE]
     drain = st.settings.drain_timeout
-    asyncio.get_running_loop().call_later(max(0.0, drain - min(0.5, drain / 4)), proxy.cut_all, st)
+    asyncio.get_running_loop().call_later(max(0.0, drain - min(0.5, drain / 4)), exchange.cut_all, st)
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -116,8 +116,8 @@ async def _metrics_listener_ctx(app: web.Application) -> AsyncIterator[None]:
     assert st.settings.metrics_host is not None and st.settings.metrics_port is not None
     mapp = web.Application(middlewares=[error_middleware], handler_args=_handler_args(st.settings))
     mapp[STATE] = st
-    _add(mapp, "GET", "/metrics", proxy.metrics_handler(st))
-    _add(mapp, "*", "/{tail:.*}", proxy.unrouted)
+    _add(mapp, "GET", "/metrics", handlers.metrics_handler(st))
+    _add(mapp, "*", "/{tail:.*}", handlers.unrouted)
     runner = web.AppRunner(mapp, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, st.settings.metrics_host, st.settings.metrics_port)

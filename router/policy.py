@@ -1,9 +1,12 @@
-"""Pure routing decisions: a load snapshot plus settings in, a chosen backend and a reason out; no I/O."""
+"""Pure routing decisions: one small object per policy behind one interface; live backends in, a choice out; no I/O."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from router.curves import CurvePoints, request_speed
 
 SPECULATIVE = "speculative"
 BASELINE = "baseline"
@@ -18,173 +21,231 @@ LEAST = "least_inflight"
 ROUND_ROBIN = "round_robin"
 RETRY = "retry"
 FASTER = "faster_pool"
-REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER)
+GAIN = "marginal_gain"
+EXPLORE = "explore"
+REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER, GAIN, EXPLORE)
 
-# A measured closed-loop curve of ONE instance: (concurrency, output tok/s) points, concurrency increasing.
-CurvePoints = tuple[tuple[float, float], ...]
+
+class BackendView(Protocol):
+    """What a policy reads of a backend (router.pools.Backend, or BackendLoad in tests), live, never copied."""
+
+    url: str
+    pool: str
+    healthy: bool
+
+    @property
+    def load_estimate(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class BackendLoad:
-    """One backend as the policy sees it at decision time."""
+    """A fixed backend snapshot, for tables and models: `inflight` is the load the policy sees."""
 
     url: str
     pool: str
     inflight: int
     healthy: bool
 
+    @property
+    def load_estimate(self) -> int:
+        return self.inflight
+
 
 @dataclass(frozen=True, slots=True)
-class PolicyState:
-    """What a policy remembers between decisions: the global policy's mode and the round-robin cursor."""
+class View:
+    """The backends a policy chooses from, grouped by pool once; health and load are read live from each."""
 
-    speculating: bool = True
-    cursor: int = 0
+    backends: tuple[BackendView, ...]
+    speculative: tuple[BackendView, ...]
+    baseline: tuple[BackendView, ...]
+
+    @classmethod
+    def of(cls, backends: Iterable[BackendView]) -> View:
+        bs = tuple(backends)
+        return cls(bs, tuple(b for b in bs if b.pool == SPECULATIVE), tuple(b for b in bs if b.pool == BASELINE))
+
+    def pool(self, name: str) -> tuple[BackendView, ...]:
+        return self.speculative if name == SPECULATIVE else self.baseline
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    url: str
-    pool: str
+    backend: BackendView
     reason: str
-    state: PolicyState
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    @property
+    def pool(self) -> str:
+        return self.backend.pool
+
+
+class Policy(Protocol):
+    """One routing policy. decide() is called with no await around it, so counts are exact; a policy may keep
+    state between calls (a mode, a cursor, a learned model) but does no I/O."""
+
+    name: str
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None: ...
 
 
 def other(pool: str) -> str:
     return BASELINE if pool == SPECULATIVE else SPECULATIVE
 
 
-def _healthy(loads: Sequence[BackendLoad], pool: str | None = None) -> list[BackendLoad]:
-    return [b for b in loads if b.healthy and (pool is None or b.pool == pool)]
+def healthy(backends: Sequence[BackendView]) -> list[BackendView]:
+    return [b for b in backends if b.healthy]
 
 
-def _least(cands: Sequence[BackendLoad], rng: random.Random) -> BackendLoad:
-    low = min(b.inflight for b in cands)
+def least(cands: Sequence[BackendView], rng: random.Random) -> BackendView:
+    if len(cands) == 1:
+        return cands[0]
+    low = min(b.load_estimate for b in cands)
     # Random among equals: a fixed tie-break would pile every idle moment onto the first backend.
-    return rng.choice([b for b in cands if b.inflight == low])
+    return rng.choice([b for b in cands if b.load_estimate == low])
 
 
-def _in_pool(loads: Sequence[BackendLoad], pool: str, reason: str, state: PolicyState,
-             rng: random.Random) -> Decision | None:
-    """Least in-flight within `pool`; if it has no healthy backend, the other pool serves (failover)."""
-    cands = _healthy(loads, pool)
+def in_pool(view: View, pool: str, reason: str, rng: random.Random) -> Decision | None:
+    """Least loaded within `pool`; if it has no healthy backend, the other pool serves (failover)."""
+    cands = healthy(view.pool(pool))
     if cands:
-        b = _least(cands, rng)
-        return Decision(b.url, pool, reason, state)
-    cands = _healthy(loads, other(pool))
+        return Decision(least(cands, rng), reason)
+    cands = healthy(view.pool(other(pool)))
     if cands:
-        b = _least(cands, rng)
-        return Decision(b.url, b.pool, FAILOVER, state)
+        return Decision(least(cands, rng), FAILOVER)
     return None
 
 
-def spillover(loads: Sequence[BackendLoad], threshold: int, state: PolicyState,
-              rng: random.Random) -> Decision | None:
-    spec = _healthy(loads, SPECULATIVE)
-    # Below threshold per healthy instance: sum < threshold * n, so no instance ever exceeds it.
-    if spec and sum(b.inflight for b in spec) < threshold * len(spec):
-        return _in_pool(loads, SPECULATIVE, BELOW, state, rng)
-    if not spec and threshold > 0 and any(b.pool == SPECULATIVE for b in loads):
-        return _in_pool(loads, BASELINE, FAILOVER, state, rng)  # would speculate, but that pool is down
-    return _in_pool(loads, BASELINE, ABOVE, state, rng)
+def sole_pool(view: View, spec_up: bool, rng: random.Random, reason: str) -> Decision | None:
+    """When at most one pool can serve: failover if the other is configured but down, else `reason`
+    (it is the only choice)."""
+    pool = SPECULATIVE if spec_up else BASELINE
+    return in_pool(view, pool, FAILOVER if view.pool(other(pool)) else reason, rng)
 
 
-def global_threshold(loads: Sequence[BackendLoad], threshold: int, hysteresis: int, state: PolicyState,
-                     rng: random.Random) -> Decision | None:
-    total = sum(b.inflight for b in loads)
-    if state.speculating:
-        speculating = total < threshold
-    else:
-        # Hysteresis: once above, come back only when clearly below, so the mode does not flap.
-        speculating = total < threshold - hysteresis
-    new = PolicyState(speculating=speculating, cursor=state.cursor)
-    if speculating:
-        return _in_pool(loads, SPECULATIVE, BELOW, new, rng)
-    return _in_pool(loads, BASELINE, ABOVE, new, rng)
-
-
-def curve_throughput(points: CurvePoints, c: float) -> float:
-    """Output tok/s of one instance at `c` in flight: linear between points, 0 at 0, flat beyond the last."""
-    if c <= 0:
-        return 0.0
-    x0, y0 = 0.0, 0.0
-    for x1, y1 in points:
-        if c <= x1:
-            return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
-        x0, y0 = x1, y1
-    return y0
-
-
-def request_speed(points: CurvePoints, inflight: int) -> float:
-    """Tok/s a new request would get on an instance already holding `inflight`: X(n+1)/(n+1); beyond the
-    curve's last point this falls as 1/n, which is how a saturated server's queue behaves."""
-    return curve_throughput(points, inflight + 1) / (inflight + 1)
-
-
-def balanced(loads: Sequence[BackendLoad], curves: tuple[CurvePoints, CurvePoints], state: PolicyState,
-             rng: random.Random) -> Decision | None:
-    """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative).
-    Greedily equalising per-request speed follows the best split as load grows, which no fixed threshold can."""
-    spec, base = _healthy(loads, SPECULATIVE), _healthy(loads, BASELINE)
-    if not spec or not base:
-        pool = SPECULATIVE if spec else BASELINE
-        down = other(pool)
-        # Only one pool can serve: failover if the other is configured but down, else it is the only choice.
-        reason = FAILOVER if any(b.pool == down for b in loads) else FASTER
-        return _in_pool(loads, pool, reason, state, rng)
-    bs, bb = _least(spec, rng), _least(base, rng)
-    if request_speed(curves[0], bs.inflight) >= request_speed(curves[1], bb.inflight):
-        return Decision(bs.url, SPECULATIVE, FASTER, state)
-    return Decision(bb.url, BASELINE, FASTER, state)
-
-
-def least_inflight(loads: Sequence[BackendLoad], state: PolicyState, rng: random.Random) -> Decision | None:
-    cands = _healthy(loads)
-    if not cands:
-        return None
-    b = _least(cands, rng)
-    return Decision(b.url, b.pool, LEAST, state)
-
-
-def round_robin(loads: Sequence[BackendLoad], state: PolicyState) -> Decision | None:
-    cands = _healthy(loads)
-    if not cands:
-        return None
-    b = cands[state.cursor % len(cands)]
-    return Decision(b.url, b.pool, ROUND_ROBIN, PolicyState(state.speculating, state.cursor + 1))
-
-
-def decide(loads: Sequence[BackendLoad], *, policy: str, threshold: int, hysteresis: int = 0,
-           state: PolicyState = PolicyState(), pinned: str | None = None,
-           rng: random.Random | None = None,
-           curves: tuple[CurvePoints, CurvePoints] | None = None) -> Decision | None:
-    """Choose a backend for a new request; None when no backend at all is healthy.
-    `curves` (speculative, baseline) are the per-instance throughput curves the balanced policy needs."""
-    rng = rng or random.Random()
+def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -> Decision | None:
+    """Choose a backend for a new request; None when no backend at all is healthy. A pinned pool (the
+    X-Router-Pool header) wins over every policy."""
     if pinned is not None:
-        return _in_pool(loads, pinned, PINNED, state, rng)
-    if policy == "spillover":
-        return spillover(loads, threshold, state, rng)
-    if policy == "global":
-        return global_threshold(loads, threshold, hysteresis, state, rng)
-    if policy == "least-inflight":
-        return least_inflight(loads, state, rng)
-    if policy == "round-robin":
-        return round_robin(loads, state)
-    if policy == "balanced":
+        return in_pool(view, pinned, PINNED, rng)
+    return policy.decide(view, rng)
+
+
+class Spillover:
+    """Speculate while the speculative pool holds fewer than `threshold` per healthy instance, else baseline."""
+
+    name = "spillover"
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        spec = healthy(view.speculative)
+        # Below threshold per healthy instance: sum < threshold * n, so no instance ever exceeds it.
+        if spec and sum(b.load_estimate for b in spec) < self.threshold * len(spec):
+            return in_pool(view, SPECULATIVE, BELOW, rng)
+        if not spec and self.threshold > 0 and view.speculative:
+            return in_pool(view, BASELINE, FAILOVER, rng)  # would speculate, but that pool is down
+        return in_pool(view, BASELINE, ABOVE, rng)
+
+
+class Global:
+    """One mode for the whole deployment: speculate while the total in flight is below `threshold`."""
+
+    name = "global"
+
+    def __init__(self, threshold: int, hysteresis: int = 0, speculating: bool = True) -> None:
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.speculating = speculating
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        total = sum(b.load_estimate for b in view.backends)
+        if self.speculating:
+            self.speculating = total < self.threshold
+        else:
+            # Hysteresis: once above, come back only when clearly below, so the mode does not flap.
+            self.speculating = total < self.threshold - self.hysteresis
+        if self.speculating:
+            return in_pool(view, SPECULATIVE, BELOW, rng)
+        return in_pool(view, BASELINE, ABOVE, rng)
+
+
+class LeastInflight:
+    """The least loaded healthy backend of either pool."""
+
+    name = "least-inflight"
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        cands = healthy(view.backends)
+        return Decision(least(cands, rng), LEAST) if cands else None
+
+
+class RoundRobin:
+    """Every healthy backend in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.cursor = 0
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        cands = healthy(view.backends)
+        if not cands:
+            return None
+        b = cands[self.cursor % len(cands)]
+        self.cursor += 1
+        return Decision(b, ROUND_ROBIN)
+
+
+class Balanced:
+    """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative),
+    on two measured curves of ONE instance each. Greedily equalising per-request speed follows the best
+    split as load grows, which no fixed threshold can."""
+
+    name = "balanced"
+
+    def __init__(self, curves: tuple[CurvePoints, CurvePoints]) -> None:
+        self.spec_curve, self.base_curve = curves
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        spec, base = healthy(view.speculative), healthy(view.baseline)
+        if not spec or not base:
+            return sole_pool(view, bool(spec), rng, FASTER)
+        bs, bb = least(spec, rng), least(base, rng)
+        if request_speed(self.spec_curve, bs.load_estimate) >= request_speed(self.base_curve, bb.load_estimate):
+            return Decision(bs, FASTER)
+        return Decision(bb, FASTER)
+
+
+def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
+          curves: tuple[CurvePoints, CurvePoints] | None = None,
+          adaptive: Callable[[], Policy] | None = None) -> Policy:
+    """The policy object for a settings name. `adaptive` builds the adaptive policy (router.adaptive),
+    which takes its own settings."""
+    if name == "spillover":
+        return Spillover(threshold)
+    if name == "global":
+        return Global(threshold, hysteresis)
+    if name == "least-inflight":
+        return LeastInflight()
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "balanced":
         if curves is None:
             raise ValueError("the balanced policy needs both throughput curves")
-        return balanced(loads, curves, state, rng)
-    raise ValueError(f"unknown policy {policy!r}")
+        return Balanced(curves)
+    if name == "adaptive" and adaptive is not None:
+        return adaptive()
+    raise ValueError(f"unknown policy {name!r}")
 
 
-def retry_target(loads: Sequence[BackendLoad], failed_url: str, failed_pool: str,
-                 rng: random.Random | None = None) -> BackendLoad | None:
+def retry_target(view: View, failed_url: str, failed_pool: str, rng: random.Random) -> BackendView | None:
     """Another backend for a retry: the same pool if it has another healthy one, else the other pool."""
-    rng = rng or random.Random()
-    rest = [b for b in loads if b.url != failed_url]
     for pool in (failed_pool, other(failed_pool)):
-        cands = _healthy(rest, pool)
+        cands = [b for b in view.pool(pool) if b.healthy and b.url != failed_url]
         if cands:
-            return _least(cands, rng)
+            return least(cands, rng)
     return None

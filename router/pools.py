@@ -4,9 +4,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
+from router.curves import CurvePoints
 from router.metrics import Metrics
 from router.observe import REFUSED, Attempt, Observation
-from router.policy import POOLS, BackendLoad, CurvePoints, Decision, PolicyState, decide, retry_target
+from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
 
 
 class Backend:
@@ -106,19 +107,19 @@ class Lease:
 class Pools:
     """All backends of both pools plus the policy's remembered state; decisions and leases happen together."""
 
-    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str, threshold: int,
-                 hysteresis: int = 0, keys: dict[str, str | None] | None = None,
+    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str | Policy,
+                 threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
                  metrics: Metrics | None = None, rng: random.Random | None = None,
                  curves: tuple[CurvePoints, CurvePoints] | None = None) -> None:
         keys = keys or {}
         self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative")) for u in speculative]
         self.backends += [Backend(u, "baseline", keys.get("baseline")) for u in baseline]
         self.by_url = {b.url: b for b in self.backends}
-        self.policy = policy
+        # Built once; policies read the live Backend objects through it, nothing is copied per request.
+        self.view = View.of(self.backends)
+        self.policy: Policy = (build(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
+                               if isinstance(policy, str) else policy)
         self.threshold = threshold
-        self.hysteresis = hysteresis
-        self.curves = curves
-        self.state = PolicyState()
         self.rng = rng or random.Random()
         if metrics is not None:
             self._bind_metrics(metrics)
@@ -141,16 +142,14 @@ class Pools:
 
     def acquire(self, pinned: str | None = None) -> tuple[Lease, Decision] | None:
         """Decide and take the lease with no await in between, so concurrent requests see exact counts."""
-        d = decide(self.loads(), policy=self.policy, threshold=self.threshold, hysteresis=self.hysteresis,
-                   state=self.state, pinned=pinned, rng=self.rng, curves=self.curves)
+        d = decide(self.policy, self.view, pinned, self.rng)
         if d is None:
             return None
-        self.state = d.state
-        return self.by_url[d.url].lease(), d
+        return d.backend.lease(), d
 
     def acquire_retry(self, failed: Backend) -> Lease | None:
-        target = retry_target(self.loads(), failed.url, failed.pool, self.rng)
-        return None if target is None else self.by_url[target.url].lease()
+        target = retry_target(self.view, failed.url, failed.pool, self.rng)
+        return None if target is None else target.lease()
 
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:

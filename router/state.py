@@ -21,7 +21,7 @@ class RouterState:
     health: HealthChecker | None = None
     metrics_url: str | None = None  # set when /metrics listens on its own address
     api_key: bytes | None = field(default=None, repr=False)
-    # Open proxied exchanges (router.proxy.Exchange): those left when the drain ends get an explicit error.
+    # Open proxied exchanges (router.exchange.Exchange): those left when the drain ends get an explicit error.
     exchanges: set = field(default_factory=set, repr=False)
     acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
 

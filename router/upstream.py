@@ -44,5 +44,34 @@ def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool
 
 
 def is_transport_error(exc: BaseException) -> bool:
-    return isinstance(exc, aiohttp.ClientError | TimeoutError | ConnectionError) and not isinstance(
-        exc, asyncio.CancelledError)
+    return isinstance(exc, TRANSPORT_ERRORS) and not isinstance(exc, asyncio.CancelledError)
+
+
+# What aiohttp's client raises for a transport failure. On the hot path only the functions below catch it,
+# so every failure reaches the proxy as one UpstreamError shape.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, ConnectionError, TimeoutError)
+
+
+async def send(session: aiohttp.ClientSession, backend: str, path: str, body: bytes,
+               headers: dict[str, str]) -> aiohttp.ClientResponse:
+    """POST to a backend and wait for its response headers."""
+    try:
+        return await session.post(backend + path, data=body, headers=headers)
+    except TRANSPORT_ERRORS as exc:
+        raise map_error(exc, backend, FIRST_BYTE, got_headers=False) from None
+
+
+async def read_chunk(resp: aiohttp.ClientResponse, backend: str, phase: str) -> bytes:
+    """The next bytes of a response body (b"" at its end)."""
+    try:
+        return await resp.content.readany()
+    except TRANSPORT_ERRORS as exc:
+        raise map_error(exc, backend, phase, got_headers=True) from None
+
+
+async def read_body(resp: aiohttp.ClientResponse, backend: str) -> bytes:
+    """A whole (non-streamed) response body."""
+    try:
+        return await resp.read()
+    except TRANSPORT_ERRORS as exc:
+        raise map_error(exc, backend, FIRST_BYTE, got_headers=True) from None

@@ -18,7 +18,8 @@ COMPOSE_SIM = ROOT / "docker-compose.sim.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
-COMPOSE_FILES = [COMPOSE, COMPOSE_SIM]
+COMPOSE_COLOCATED = ROOT / "docker-compose.colocated.yml"
+COMPOSE_FILES = [COMPOSE, COMPOSE_SIM, COMPOSE_COLOCATED]
 SGLANG_PORT = 30000
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, ${VAR?err}; $$ is a literal dollar.
@@ -299,6 +300,62 @@ def test_sim_stack_replaces_only_the_gpu_servers(stack: dict, sim_stack: dict) -
     for name in ("router", "prometheus", "grafana"):
         assert sim_stack[name].get("image") == stack[name].get("image")
         assert sim_stack[name].get("environment") == stack[name].get("environment")
+
+
+# --- the co-located stack (both servers TP8 on all eight GPUs) --------------------------------------
+
+@pytest.fixture(scope="module")
+def colocated_stack() -> dict:
+    return load_compose(COMPOSE_COLOCATED)["services"]
+
+
+def test_colocated_servers_share_all_eight_gpus_at_tp8(colocated_stack: dict) -> None:
+    spec, base = colocated_stack["sglang-speculative"], colocated_stack["sglang-baseline"]
+    assert gpu_ids(spec) == gpu_ids(base) == [str(i) for i in range(8)]
+    fs, fb = flags(spec["command"]), flags(base["command"])
+    for f in (fs, fb):
+        assert f["--tp"] == "8", "each server decodes at full width"
+        assert "--enable-metrics" in f and f["--port"] == str(SGLANG_PORT) and f["--host"] == "0.0.0.0"
+    # two processes on the same GPUs: memory split, separate NCCL ports, the second loads after the first
+    shares = float(fs["--mem-fraction-static"]), float(fb["--mem-fraction-static"])
+    assert all(0.2 <= x for x in shares) and sum(shares) <= 0.9, shares
+    assert fs["--nccl-port"] != fb["--nccl-port"]
+    assert base["depends_on"]["sglang-speculative"]["condition"] == "service_healthy"
+    assert fs["--speculative-algorithm"] == "EAGLE3" and int(fs["--max-running-requests"]) >= 48
+    assert not [x for x in fb if x.startswith("--speculative")], "EAGLE flags leaked onto the baseline"
+    assert fs["--model-path"] == fb["--model-path"] and fs["--served-model-name"] == fb["--served-model-name"]
+    for name, svc in colocated_stack.items():
+        if name not in ("sglang-speculative", "sglang-baseline"):
+            assert "deploy" not in svc, f"{name} must not reserve GPUs"
+
+
+def test_colocated_same_model_and_draft_as_the_split(stack: dict, colocated_stack: dict) -> None:
+    skip = {"--tp", "--mem-fraction-static", "--nccl-port"}
+    for name in ("sglang-speculative", "sglang-baseline"):
+        split, colo = flags(stack[name]["command"]), flags(colocated_stack[name]["command"])
+        assert {k: v for k, v in colo.items() if k not in skip} == {k: v for k, v in split.items() if k not in skip}
+        assert colocated_stack[name]["image"] == stack[name]["image"]
+
+
+def test_colocated_router_runs_global_with_hysteresis(colocated_stack: dict) -> None:
+    from router.settings import load_settings
+
+    env = {k: str(v) for k, v in colocated_stack["router"]["environment"].items()}
+    settings = load_settings(environ=env)
+    assert settings.policy == "global"
+    assert settings.threshold == int(read_env_example()["COLOCATED_THRESHOLD"])
+    assert 0 < settings.hysteresis < settings.threshold, "hysteresis keeps the mode from flapping"
+    assert settings.speculative == [f"http://sglang-speculative:{SGLANG_PORT}"]
+    assert settings.baseline == [f"http://sglang-baseline:{SGLANG_PORT}"]
+    spec = flags(colocated_stack["sglang-speculative"]["command"])
+    assert settings.threshold <= int(spec["--max-running-requests"])
+
+
+def test_colocated_observability_as_the_main_stack(stack: dict, colocated_stack: dict) -> None:
+    assert set(colocated_stack) == set(stack), "same service names, so the Prometheus config applies"
+    for name in ("prometheus", "grafana"):
+        assert colocated_stack[name] == stack[name]
+    assert colocated_stack["router"]["image"] == stack["router"]["image"]
 
 
 # --- docker-compose itself -------------------------------------------------------------------------

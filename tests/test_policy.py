@@ -7,6 +7,8 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from router import policy as P
+from router.curves import curve_throughput, marginal_gain, request_speed
 from router.policy import (
     ABOVE,
     BELOW,
@@ -16,10 +18,7 @@ from router.policy import (
     PINNED,
     ROUND_ROBIN,
     BackendLoad,
-    PolicyState,
-    curve_throughput,
-    decide,
-    request_speed,
+    View,
     retry_target,
 )
 from router.pools import Backend, Pools
@@ -34,7 +33,13 @@ def snap(s1=0, b1=0, *, s2=None, b2=None, s1_up=True, b1_up=True, s2_up=True, b2
     loads.append(BackendLoad(B1, "baseline", b1, b1_up))
     if b2 is not None:
         loads.append(BackendLoad(B2, "baseline", b2, b2_up))
-    return loads
+    return View.of(loads)
+
+
+def decide(view, *, policy="spillover", threshold=0, hysteresis=0, curves=None, pinned=None, rng=None):
+    """One decision of a freshly built policy (the factory the router uses)."""
+    pol = P.build(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
+    return P.decide(pol, view, pinned, rng or random.Random())
 
 
 SPILLOVER_TABLE = [
@@ -85,19 +90,17 @@ GLOBAL_TABLE = [
 
 @pytest.mark.parametrize(("split", "threshold", "hyst", "before", "pool", "after"), GLOBAL_TABLE)
 def test_global_with_hysteresis(split, threshold, hyst, before, pool, after):
-    d = decide(snap(*split), policy="global", threshold=threshold, hysteresis=hyst,
-               state=PolicyState(speculating=before))
+    pol = P.Global(threshold, hyst, speculating=before)
+    d = pol.decide(snap(*split), random.Random())
     assert d.pool == pool
-    assert d.state.speculating is after
+    assert pol.speculating is after
 
 
 def test_global_does_not_flap_at_the_boundary():
-    state = PolicyState()
+    pol = P.build("global", threshold=4, hysteresis=2)
     pools = []
     for total in (3, 4, 3, 4, 3, 2, 1, 2, 3, 4):
-        d = decide(snap(total, 0), policy="global", threshold=4, hysteresis=2, state=state)
-        state = d.state
-        pools.append(d.pool[0])
+        pools.append(P.decide(pol, snap(total, 0), None, random.Random()).pool[0])
     assert "".join(pools) == "sbbbbbsssb"
 
 
@@ -111,12 +114,11 @@ def test_least_inflight_spans_both_pools_and_breaks_ties_at_random():
 
 
 def test_round_robin_cycles_healthy_backends():
-    state = PolicyState()
+    pol = P.build("round-robin")
     urls = []
     for _ in range(6):
-        d = decide(snap(0, 0, s2=0, s2_up=False, b2=9), policy="round-robin", threshold=0, state=state)
+        d = P.decide(pol, snap(0, 0, s2=0, s2_up=False, b2=9), None, random.Random())
         assert d.reason == ROUND_ROBIN
-        state = d.state
         urls.append(d.url)
     assert urls == [S1, B1, B2, S1, B1, B2]
 
@@ -132,9 +134,33 @@ def test_pinned(pin, loads, pool, reason):
 
 
 def test_retry_prefers_same_pool_then_other():
-    assert retry_target(snap(0, 0, s2=5), S1, "speculative").url == S2
-    assert retry_target(snap(0, 0), S1, "speculative").url == B1
-    assert retry_target(snap(0, 0, b1_up=False), S1, "speculative") is None
+    rng = random.Random()
+    assert retry_target(snap(0, 0, s2=5), S1, "speculative", rng).url == S2
+    assert retry_target(snap(0, 0), S1, "speculative", rng).url == B1
+    assert retry_target(snap(0, 0, b1_up=False), S1, "speculative", rng) is None
+
+
+def test_factory_builds_one_object_per_policy_and_rejects_unknown_names():
+    kinds = {name: type(P.build(name, threshold=3, curves=SEED)) for name in
+             ("spillover", "global", "least-inflight", "round-robin", "balanced")}
+    assert kinds == {"spillover": P.Spillover, "global": P.Global, "least-inflight": P.LeastInflight,
+                     "round-robin": P.RoundRobin, "balanced": P.Balanced}
+    assert all(P.build(name, curves=SEED).name == name for name in kinds)
+    with pytest.raises(ValueError, match="unknown policy"):
+        P.build("fastest")
+
+
+def test_policies_read_live_backends_without_copies():
+    # The view holds the pools' own Backend objects: a lease taken after the view was built is seen at once.
+    pools = Pools([S1], [B1], policy="spillover", threshold=1)
+    for b in pools.backends:
+        b.probe_ok(1)
+    assert pools.view.speculative[0] is pools.by_url[S1]
+    first, d1 = pools.acquire()
+    _, d2 = pools.acquire()
+    assert (d1.url, d2.url) == (S1, B1)
+    first.release()
+    assert pools.acquire()[1].url == S1
 
 
 def test_lease_releases_once_and_clamps():
@@ -209,6 +235,9 @@ SEED, GOOD = (SEED_SPEC, SEED_BASE), (GOOD_SPEC, SEED_BASE)
 
 
 def test_curve_interpolation_and_request_speed():
+    assert marginal_gain(SEED_BASE, 0) == 92.6
+    assert marginal_gain(SEED_BASE, 1) == pytest.approx(159.7 - 92.6)
+    assert marginal_gain(SEED_BASE, 300) == 0.0  # saturated: one more request only queues
     assert curve_throughput(SEED_SPEC, 0) == 0.0
     assert curve_throughput(SEED_SPEC, 0.5) == pytest.approx(77.5 / 2)
     assert curve_throughput(SEED_SPEC, 3) == pytest.approx(125.1 + (183.2 - 125.1) / 3)
@@ -245,7 +274,7 @@ def test_balanced(curves, loads, pinned, pool, url, reason):
 
 
 def test_balanced_with_one_pool_configured_and_none_healthy():
-    only = [BackendLoad(B1, "baseline", 7, True)]
+    only = View.of([BackendLoad(B1, "baseline", 7, True)])
     d = decide(only, policy="balanced", threshold=0, curves=SEED)
     assert (d.url, d.reason) == (B1, FASTER)  # not a failover: there is no other pool
     assert decide(snap(0, 0, s1_up=False, b1_up=False), policy="balanced", threshold=0, curves=SEED) is None
@@ -258,8 +287,8 @@ def _greedy(curves, n: int, n_spec: int = 1, n_base: int = 1) -> Counter:
     urls = [f"http://s{i}:1" for i in range(n_spec)] + [f"http://b{i}:1" for i in range(n_base)]
     counts = dict.fromkeys(urls, 0)
     for _ in range(n):
-        loads = [BackendLoad(u, "speculative" if u.startswith("http://s") else "baseline", k, True)
-                 for u, k in counts.items()]
+        loads = View.of([BackendLoad(u, "speculative" if u.startswith("http://s") else "baseline", k, True)
+                         for u, k in counts.items()])
         counts[decide(loads, policy="balanced", threshold=0, curves=curves, rng=random.Random(0)).url] += 1
     return Counter({pool: sum(k for u, k in counts.items() if u.startswith(f"http://{pool[0]}"))
                     for pool in ("speculative", "baseline")})

@@ -1,0 +1,223 @@
+"""`python -m bench plan`: break-even from measured curves. Which deployment of the same GPUs to run at which
+load, and what single-stream speedup the speculative server would need for the router's deployments to win."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import calibrate, equal, figures
+from bench.load import BenchInputError
+from bench.sweep import ArgError, parser
+
+SINGLE = ("all-baseline", "all-speculative")
+
+
+@dataclass
+class Candidate:
+    """One router configuration of one measured deployment (split or co-located pair)."""
+
+    name: str
+    kind: str  # "split" | "colocated"
+    gpus: int | None
+    figs: list[dict]
+    spec: calibrate.Curve | None = None  # the pair's speculative server alone
+    base: calibrate.Curve | None = None  # the pair's baseline server alone
+
+
+@dataclass
+class Plan:
+    reference: str
+    reference_gpus: int | None
+    levels: list[int]
+    candidates: list[Candidate]
+    ratios: dict[str, dict[int, float]]  # candidate -> level -> its throughput / the reference's
+    wins: dict[str, list[int]]  # candidate -> levels where it beats the reference beyond the noise band
+    best: dict[int, str]  # level -> the deployment to run there (the reference unless a candidate beats it)
+    needed: dict[str, dict[int, float | None]] = field(default_factory=dict)  # kind -> level -> speedup
+    today: dict[str, float] = field(default_factory=dict)  # kind -> measured single-stream speedup
+
+
+def needed_scale(kind: str, spec: calibrate.Curve, base: calibrate.Curve, ref_tput: float, c: int) -> float | None:
+    """The smallest factor s on the speculative server's whole curve for which the pair reaches the
+    reference's throughput at c in-flight requests (0 if the baseline alone does; None if no s can).
+    split: the best placement, max over k of s*S(k) + B(c-k). colocated (global): one server serves all,
+    max(s*S(c), B(c)); the interleaving cost while both run is left out, so this is a lower bound."""
+    if base.throughput(c) >= ref_tput:
+        return 0.0
+    if kind == "colocated":
+        s_c = spec.throughput(c)
+        return ref_tput / s_c if s_c > 0 else None
+    best = None
+    for k in range(1, c + 1):
+        s_k = spec.throughput(k)
+        if s_k > 0:
+            need = (ref_tput - base.throughput(c - k)) / s_k
+            best = need if best is None else min(best, need)
+    return best
+
+
+def single_stream(spec: calibrate.Curve, base: calibrate.Curve) -> float:
+    """Speculative over baseline at one request (the speedup a single-stream benchmark shows)."""
+    b = base.throughput(1)
+    return spec.throughput(1) / b if b else float("inf")
+
+
+def make_plan(files: list[dict], against: str | None = None, noise: float = equal.NOISE) -> Plan:
+    """Raises BenchInputError (one line) when the files hold no usable reference or candidate."""
+    refs: dict[str, tuple[list[dict], int | None, dict]] = {}
+    cands: list[Candidate] = []
+    kinds_seen: dict[str, int] = {}
+    for data in files:
+        results, gpus = data["results"], data.get("gpus") or {}
+        for name, meta in (data.get("references") or {}).items():
+            refs.setdefault(name, (results[name], gpus.get(name), meta or {}))
+        cfg = data.get("config") or {}
+        kind = cfg.get("deployment") or ("colocated" if cfg.get("colocated") else "split")
+        kinds_seen[kind] = kinds_seen.get(kind, 0) + 1
+        label = kind if kinds_seen[kind] == 1 else f"{kind}{kinds_seen[kind]}"
+        spec = base = None
+        if all(n in results for n in SINGLE):
+            spec = calibrate.Curve.from_figs(results["all-speculative"])
+            base = calibrate.Curve.from_figs(results["all-baseline"])
+        configs = data.get("configs") or [n for n in results if n not in (data.get("references") or {})]
+        for n in configs:
+            if n in SINGLE:
+                continue
+            cands.append(Candidate(f"{label}+{n}", kind, gpus.get(n), results[n], spec, base))
+    if not refs:
+        raise BenchInputError("no reference deployment in these files: run `python -m bench compare ... "
+                              "--reference tp8=profile:baseline-tp8` (or URL@GPUS) first")
+    if not cands:
+        raise BenchInputError("no router configuration in these files to judge against the reference")
+    if against is None:
+        plain = [n for n, (_, _, m) in refs.items() if _not_speculative(m.get("profile"))]
+        against = plain[0] if plain else next(iter(refs))
+    if against not in refs:
+        raise BenchInputError(f"--against {against}: no such reference; the files have {', '.join(refs)}")
+    ref_figs, ref_gpus, _ = refs[against]
+    ref = {f["concurrency"]: f for f in ref_figs if f.get("completed")}
+    levels = sorted(ref)
+    ratios, wins, best_at = {}, {}, {}
+    for cand in cands:
+        mine = {f["concurrency"]: f for f in cand.figs if f.get("completed")}
+        ratios[cand.name] = {c: figures.tput(mine[c]) / figures.tput(ref[c])
+                             for c in levels if c in mine and figures.tput(ref[c])}
+        wins[cand.name] = [c for c, r in ratios[cand.name].items() if r >= 1 + noise]
+    for c in levels:
+        top = max(((r[c], n) for n, r in ratios.items() if c in r), default=None)
+        best_at[c] = top[1] if top and top[0] >= 1 + noise else against
+    plan = Plan(against, ref_gpus, levels, cands, ratios, wins, best_at)
+    for cand in cands:
+        if cand.spec is None or cand.base is None or cand.kind in plan.needed:
+            continue
+        today = single_stream(cand.spec, cand.base)
+        plan.today[cand.kind] = today
+        plan.needed[cand.kind] = {}
+        for c in levels:
+            s = needed_scale(cand.kind, cand.spec, cand.base, figures.tput(ref[c]), c)
+            plan.needed[cand.kind][c] = None if s is None else max(s * today, 0.0)
+    return plan
+
+
+def _not_speculative(profile: str | None) -> bool:
+    if not profile:
+        return False
+    from bench.sim.profiles import ProfileError, load_profile, load_profile_file
+
+    try:
+        prof = load_profile_file(profile) if profile.endswith(".json") else load_profile(profile)
+    except ProfileError:
+        return False
+    return not prof.speculative
+
+
+def render(plan: Plan) -> str:
+    ref = f"{plan.reference} [{equal.gpus_label(plan.reference_gpus)}]"
+    winners = [n for n, w in plan.wins.items() if w]
+    lines = []
+    if not winners:
+        top = max(plan.candidates, key=lambda c: max(plan.ratios[c.name].values(), default=0.0))
+        r = plan.ratios[top.name]
+        span = f"{min(r.values()):.2f}-{max(r.values()):.2f}x" if r else "-"
+        lines.append(f"RUN {ref}: nothing measured here beats it at any load "
+                     f"(the closest, {top.name}, reaches {span} of its throughput).")
+    else:
+        where = "; ".join(f"{n} at c={_levels(plan.wins[n])}" for n in winners)
+        rest = [c for c in plan.levels if plan.best[c] == plan.reference]
+        lines.append(f"Beats {ref}: {where}" + (f"; at c={_levels(rest)} run {plan.reference}." if rest else "."))
+    lines.append("")
+    lines.append(f"throughput of each candidate / {plan.reference} (beats it at >= {1 + equal.NOISE:.2f}x):")
+    rows = [["conc"] + [f"{c.name} [{equal.gpus_label(c.gpus)}]" for c in plan.candidates] + ["run"]]
+    for lv in plan.levels:
+        rows.append([str(lv)] + [f"{plan.ratios[c.name][lv]:.2f}x" if lv in plan.ratios[c.name] else "-"
+                                 for c in plan.candidates] + [plan.best[lv]])
+    lines += _grid(rows)
+    unequal = [c for c in plan.candidates if c.gpus != plan.reference_gpus]
+    if unequal:
+        lines.append("UNEQUAL HARDWARE: " + ", ".join(f"{c.name} uses {equal.gpus_label(c.gpus)}" for c in unequal)
+                     + f", {plan.reference} uses {equal.gpus_label(plan.reference_gpus)}")
+    for kind, need in plan.needed.items():
+        lines.append("")
+        lines.append(f"break-even, {kind} pair: the single-stream speedup (speculative over its own baseline "
+                     f"server, at 1 request; today {plan.today[kind]:.2f}x) it would need to match "
+                     f"{plan.reference} at each load:")
+        cells = [f"c={c} " + ("unreachable" if v is None else "already" if v == 0 else f"{v:.2f}x")
+                 for c, v in need.items()]
+        lines.append("  " + ", ".join(cells))
+        reach = [c for c, v in need.items() if v is not None and v <= plan.today[kind]]
+        lines.append(f"  with today's drafter it matches {plan.reference} at " +
+                     (f"c={_levels(reach)}" if reach else "no load measured") +
+                     ("; model: the speculative server's measured curve scaled by one factor at every load, "
+                      + ("placed as well as possible between the two servers" if kind == "split" else
+                         "one server serving everything (global), interleaving cost left out")) + ".")
+    return "\n".join(lines)
+
+
+def _levels(levels: list[int]) -> str:
+    return ",".join(str(c) for c in levels)
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return out
+
+
+def plan_json(plan: Plan) -> dict:
+    return {"reference": plan.reference, "reference_gpus": plan.reference_gpus, "levels": plan.levels,
+            "ratios": {n: {str(c): r for c, r in v.items()} for n, v in plan.ratios.items()},
+            "wins": plan.wins, "run": {str(c): n for c, n in plan.best.items()},
+            "needed_single_stream_speedup": {k: {str(c): v for c, v in n.items()} for k, n in plan.needed.items()},
+            "single_stream_speedup_today": plan.today}
+
+
+def main(argv: list[str]) -> int:
+    p = parser("python -m bench plan",
+               "Read compare (or demo) JSON files with references and say which deployment of the same GPUs "
+               "wins at which load, and what the speculative server would need to change that.")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE.json")
+    p.add_argument("--against", default=None, metavar="NAME",
+                   help="the reference to beat (default: the first non-speculative profile reference)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the plan as JSON")
+    try:
+        ns = p.parse_args(argv)
+        files = []
+        for f in ns.files:
+            try:
+                files.append(json.loads(f.read_text(encoding="utf-8")))
+            except (OSError, ValueError) as exc:
+                raise ArgError(f"cannot read {f}: {type(exc).__name__} {exc}") from None
+        plan = make_plan(files, ns.against)
+    except (ArgError, BenchInputError) as exc:
+        print(f"bench plan: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, AttributeError) as exc:
+        print(f"bench plan: not a compare/demo JSON: {type(exc).__name__} {exc}", file=sys.stderr)
+        return 2
+    print(render(plan))
+    if ns.json is not None:
+        figures.write_json(ns.json, plan_json(plan))
+    return 0

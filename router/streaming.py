@@ -1,0 +1,51 @@
+"""SSE framing of the upstream byte stream and the usage scan (the one chunk the router ever parses)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+def split_events(buf: bytes) -> tuple[bytes, bytes]:
+    """Complete SSE events and the unfinished tail."""
+    end = buf.rfind(b"\n\n")
+    if end >= 0:
+        return buf[:end + 2], buf[end + 2:]
+    end = buf.rfind(b"\r\n\r\n")
+    if end >= 0:
+        return buf[:end + 4], buf[end + 4:]
+    return b"", buf
+
+
+@dataclass
+class Usage:
+    prompt: int = 0
+    completion: int = 0
+    seen: bool = False
+
+    def take(self, obj: object) -> None:
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(usage, dict):
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            self.prompt = p if isinstance(p, int) else self.prompt
+            self.completion = c if isinstance(c, int) else self.completion
+            self.seen = True
+
+
+def scan_usage(events: bytes, usage: Usage, strip: bool) -> bytes:
+    """Record usage from the usage chunk; drop that chunk when the client did not ask for it."""
+    if b'"prompt_tokens"' not in events:  # the cheap check: most chunks never get parsed
+        return events
+    sep = b"\r\n\r\n" if b"\r\n\r\n" in events else b"\n\n"
+    kept = []
+    for ev in events.split(sep):
+        if b'"prompt_tokens"' in ev and ev.startswith(b"data:"):
+            try:
+                obj = json.loads(ev[5:])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                usage.take(obj)
+                if strip and not obj.get("choices"):
+                    continue
+        kept.append(ev)
+    return sep.join(kept)
