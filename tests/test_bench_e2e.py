@@ -56,10 +56,17 @@ async def test_calibrate_cli_on_simulators(sim_factory, tmp_path, capsys):
         "--no-plot"])
     out = capsys.readouterr().out
     assert rc == 0
-    # The profiles are fitted to the seed table, where EAGLE-3 is slower than the baseline at concurrency 1
-    # (77.5 vs 92.6 tok/s, 0.84x): the report must say so (with simulator noise, not exactly 0.84x).
-    assert "recommended spillover threshold" in out and "SLOWER" in out and "faster at concurrency" not in out
+    assert "recommended spillover threshold" in out
     data = json.loads((tmp_path / "calibrate.json").read_text())
+    # The verdict follows the measured figures at concurrency 1 (not a fixed answer: on a busy 2-core
+    # machine the simulators' wall-clock figures can swap the 0.84x of the seed table they are fitted to).
+    s1, b1 = (next(f["output_throughput"] for f in data["results"][p] if f["concurrency"] == 1)
+              for p in ("speculative", "baseline"))
+    ratio = f"({s1:.1f} vs {b1:.1f} tok/s, {s1 / b1:.2f}x)"
+    if s1 < b1:
+        assert f"SLOWER than the baseline even at concurrency 1 {ratio}" in out
+    else:
+        assert f"faster at concurrency 1 {ratio}" in out and "SLOWER" not in out
     rec = data["recommendation"]
     assert 0 <= rec["threshold"] <= 3 and set(rec["expected"]) == {"1", "3"}
 
@@ -149,7 +156,7 @@ def test_procs_start_and_stop_sim():
 
 def test_procs_errors_are_one_line():
     with pytest.raises(procs.ProcError, match="exited with code") as exc:
-        procs.start("bad", ["bench", "sim", "--profile", "no-such-profile", "--port", "0"], wait_s=20)
+        procs.start("bad", ["bench", "sim", "--profile", "no-such-profile", "--port", "0"], wait_s=60)
     assert "\n" not in str(exc.value)
     # A server that never prints the line: bounded wait, then it is stopped.
     with pytest.raises(procs.ProcError, match="no 'listening on' line within 1.5s"):
