@@ -126,6 +126,10 @@ class Settings(BaseSettings):
     connect_timeout: float = Field(5.0, gt=0, description="seconds to open a backend connection")
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds until the backend's first body byte")
     idle_timeout: float = Field(60.0, gt=0, description="longest gap between streamed chunks, seconds")
+    write_timeout: float = Field(10.0, gt=0, description="seconds a write to a client may stall (it reads "
+                                 "nothing); then its connection is closed and counted as a disconnect")
+    write_buffer_bytes: int = Field(2 * 1024 * 1024, ge=65536, description="answer bytes held for a client that "
+                                    "reads slower than the backend writes; above it the backend's stream waits")
     retries: int = Field(1, ge=0, le=3, description="retries on another backend before the first byte")
 
     health_interval: float = Field(5.0, gt=0, description="seconds between active /health probes")
