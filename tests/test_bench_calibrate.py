@@ -178,7 +178,9 @@ async def test_balanced_router_places_requests_as_computed_by_hand(raw_backend_f
                for name, pts in (("speculative_curve", BALANCED_SPEC), ("baseline_curve", BALANCED_BASE))}
     spec = await raw_backend_factory({"/v1/chat/completions": hang()})
     base = await raw_backend_factory({"/v1/chat/completions": hang()})
-    router = await router_factory([spec.url], [base.url], policy="balanced", first_byte_timeout=60, **setting)
+    # Probes that cannot time out on a busy machine: a backend marked down would change the placement.
+    router = await router_factory([spec.url], [base.url], policy="balanced", first_byte_timeout=60,
+                                  health_timeout=10.0, **setting)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     held, order = [], []
     async with aiohttp.ClientSession() as session:

@@ -28,7 +28,22 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 STREAM = {**BODY, "stream": True}
 WITH_USAGE = {**STREAM, "stream_options": {"include_usage": True}}
 # Only the first probe round: a backend a test breaks afterwards is still "up" when the request comes.
-ONE_PROBE = {"health_interval": 60.0, "first_byte_timeout": 5.0, "connect_timeout": 0.3}
+# A long probe timeout: on a busy machine a 1 s probe of a healthy backend can time out, and with one
+# round that backend would stay down for the whole test.
+ONE_PROBE = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "connect_timeout": 0.3}
+
+
+async def all_up(router, within: float = 10.0) -> None:
+    """Until /ready reports every backend healthy (bounded)."""
+    async def ready() -> bool:
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/ready") as r:
+            return r.status == 200 and all((await r.json())["backends"].values())
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await ready():
+        assert loop.time() < deadline, "backends never all healthy"
+        await asyncio.sleep(0.05)
 
 
 async def post(router_url: str, body: dict) -> tuple[int, dict, bytes]:
@@ -273,8 +288,9 @@ async def test_models_merges_answering_backends_and_skips_failing_ones(raw_backe
     good_a = await raw_backend_factory({"/v1/models": json_answer(200, MODELS_A)})
     good_b = await raw_backend_factory({"/v1/models": json_answer(200, MODELS_B)})
     bad = [await raw_backend_factory({"/v1/models": make()}) for make in BROKEN_MODELS.values()]
-    router = await router_factory([good_a.url, *(b.url for b in bad)], [good_b.url], health_timeout=0.5,
-                                  health_interval=60.0)
+    # health_timeout also bounds each backend's /v1/models fetch (the hanging one takes that long).
+    router = await router_factory([good_a.url, *(b.url for b in bad)], [good_b.url], health_timeout=2.0)
+    await all_up(router)
     async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10) as client:
         ids = sorted(m.id for m in (await client.models.list()).data)
     assert ids == ["alpha", "beta", "gamma"]
@@ -286,10 +302,12 @@ async def test_models_is_503_when_no_backend_answers(raw_backend_factory, router
     """Every backend fails its model list: 503 `no_healthy_backend`, not 500 and not an empty list.
     Catches replacing the `if not seen: raise NoHealthyBackend` with an empty 200 list."""
     bad = [await raw_backend_factory({"/v1/models": make()}) for make in BROKEN_MODELS.values()]
-    router = await router_factory([b.url for b in bad], [], health_timeout=0.5, health_interval=60.0)
+    router = await router_factory([b.url for b in bad], [], health_timeout=2.0)
+    await all_up(router)
     async with aiohttp.ClientSession() as s, s.get(router.url + "/v1/models") as r:
         status, raw = r.status, await r.read()
     assert (status, error_code(raw)) == (503, "no_healthy_backend")
+    assert all(b.hits["/v1/models"] >= 1 for b in bad)  # every one was asked
 
 
 # ---------------------------------------------------------------- backend-reported load (/v1/loads)
@@ -299,7 +317,7 @@ def loads_doc(running: int) -> dict:
 
 
 LOADS = "/v1/loads"
-POLLING = {"load_signal": "backend", "load_interval": 0.05, "health_timeout": 0.5, "threshold": 4}
+POLLING = {"load_signal": "backend", "load_interval": 0.05, "health_timeout": 2.0, "threshold": 4}
 
 
 async def _after_polls(b: RawBackend, n: int = 2) -> None:
@@ -322,6 +340,7 @@ async def test_failing_loads_poll_forgets_the_last_figure(raw_backend_factory, r
     spec = await raw_backend_factory({LOADS: json_answer(200, loads_doc(50))})
     base = await raw_backend_factory()
     router = await router_factory([spec.url], [base.url], **POLLING)
+    await all_up(router)
     await _after_polls(spec)
     _, headers, _ = await post(router.url, BODY)
     assert headers["X-Router-Pool"] == "baseline"
@@ -340,6 +359,7 @@ async def test_reported_load_never_hides_our_own_in_flight_requests(raw_backend_
     spec = await raw_backend_factory({LOADS: json_answer(200, loads_doc(0)), CHAT: hang()})
     base = await raw_backend_factory()
     router = await router_factory([spec.url], [base.url], **POLLING)
+    await all_up(router)
     held = [asyncio.create_task(post(router.url, BODY)) for _ in range(4)]
     try:
         assert await poll(lambda: spec.chat_hits() == 4, 10)
