@@ -217,20 +217,25 @@ async def test_5xx_with_no_alternative_backend_passes_through(raw_backend_factor
 
 @pytest.mark.parametrize("end", ["close", "reset"])
 @pytest.mark.parametrize("stream", [True, False])
-async def test_dies_after_headers_before_first_byte_is_502_and_not_retried(raw_backend_factory, router_factory,
-                                                                           stream, end):
-    """Headers came, then the connection ended before any body byte: a 502 `backend_disconnected` (nothing
-    reached the client yet), and no retry because the backend may have started the work. Catches removing
-    `aiohttp.ClientError` from the `except` around the first read (a 500 `internal_error`)."""
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_dies_after_headers_before_first_byte(raw_backend_factory, router_factory, stream, end, retries):
+    """Headers came, then the connection ended before any body byte. The client has received nothing, so
+    with a retry left another backend answers; without one it is a 502 `backend_disconnected`, never a 500.
+    Catches: `read_chunk` / `read_body` catching only `ConnectionError` (a 500 `internal_error`), and the retry
+    after headers ignoring the budget (`retries` 0 must answer 502)."""
     bad = await raw_backend_factory({CHAT: headers_then(end, stream=stream)})
     good = await raw_backend_factory()
-    router = await router_factory([bad.url], [good.url], retries=3, **ONE_PROBE)
+    router = await router_factory([bad.url], [good.url], retries=retries, **ONE_PROBE)
     status, headers, raw = await post(router.url, STREAM if stream else BODY)
-    assert (status, error_code(raw)) == (502, "backend_disconnected")
-    assert headers["X-Router-Backend"] == bad.url
-    assert good.chat_hits() == 0
+    if retries:
+        assert (status, headers["X-Router-Backend"]) == (200, good.url)
+        assert good.chat_hits() == 1
+    else:
+        assert (status, error_code(raw)) == (502, "backend_disconnected")
+        assert headers["X-Router-Backend"] == bad.url
+        assert good.chat_hits() == 0
+        assert router.metric("router_requests_total", pool="speculative", backend=bad.url, code="502") == 1
     assert router.metric("router_upstream_errors_total", backend=bad.url, kind="disconnect") == 1
-    assert router.metric("router_requests_total", pool="speculative", backend=bad.url, code="502") == 1
     assert await router.wait_idle() == {bad.url: 0, good.url: 0}
 
 

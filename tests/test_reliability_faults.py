@@ -88,8 +88,9 @@ async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_fac
     disconnects = router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect")
     refused = router.metric("router_upstream_errors_total", backend=spec.url, kind="connect")
     retried = router.metric("router_retries_total", pool="baseline")
-    # Every upstream disconnect reached its client (in-band error or 502) or was retried; the only other
-    # retries are of refused connections (after the kill, before the ejection).
+    # Every upstream disconnect reached its client (in-band error, or a 502 once no retry was left) or was
+    # retried (before the client got a byte, also after headers); the only other retries are of refused
+    # connections (after the kill, before the ejection).
     explicit = tally.seen[CLOSED] + tally.seen["HTTP 502"]
     assert disconnects >= explicit
     assert retried == (disconnects - explicit) + refused
