@@ -132,8 +132,9 @@ async def test_stall_mid_stream_is_an_sse_error_then_done_and_aborts(sim_factory
 
 
 async def test_500_passes_through_and_503_is_retried_on_the_other_pool(sim_factory, router_factory):
+    # No deadline is under test here: a long first-byte timeout keeps a busy machine's slow retries from 504s.
     spec, base, router = await stack(sim_factory, router_factory, spec_faults={"error_rate": 1.0, "error_status": 500},
-                                     **NO_EJECT)
+                                     **NO_EJECT, first_byte_timeout=30.0)
     tally = await load(router.url, 12, streams=6)
     assert dict(tally.seen) == {"HTTP 500": 12}
     await set_faults(spec.url, error_status=503)
