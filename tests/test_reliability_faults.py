@@ -182,8 +182,10 @@ async def test_backend_comes_back_on_the_same_port_after_sigkill(sim_process_fac
 
 
 async def test_one_slow_health_probe_does_not_eject_a_busy_backend(sim_factory, router_factory):
+    # Only the probe deadline is under test: long first-byte and idle deadlines keep a busy machine's slow
+    # answers from turning into 504s.
     spec, base, router = await stack(sim_factory, router_factory, health_failure_threshold=3,
-                                     health_interval=0.2)
+                                     health_interval=0.2, first_byte_timeout=30.0, idle_timeout=30.0)
     seen_up: list[float] = []
 
     async def watch() -> None:
