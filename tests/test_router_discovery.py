@@ -241,3 +241,13 @@ async def test_static_entries_and_names_mix(sim_factory, router_factory):
     assert fixed.url in pools.by_url, "a configured address stays when the name stops listing it"
     await asyncio.sleep(0)
     assert pools.by_url[base.url].pool == "baseline"
+
+
+async def test_the_system_resolver_expands_a_real_name(sim_factory, router_factory):
+    sim = await sim_factory()
+    port = urlsplit(sim.url).port
+    router = await router_factory(speculative=[f"http://localhost:{port}"], discovery="dns")
+    pools = router.state.pools
+    assert sim.url in pools.by_url and f"http://localhost:{port}" not in pools.by_url
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as client:
+        assert await _backend_of(client) == sim.url
