@@ -82,10 +82,12 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
             spec = calibrate.Curve.from_figs(results["all-speculative"])
             base = calibrate.Curve.from_figs(results["all-baseline"])
         configs = data.get("configs") or [n for n in results if n not in (data.get("references") or {})]
+        kinds = data.get("kinds") or {}  # a demo run: several deployments in one file, each named already
         for n in configs:
             if n in SINGLE:
                 continue
-            cands.append(Candidate(f"{label}+{n}", kind, gpus.get(n), results[n], spec, base))
+            cands.append(Candidate(n if n in kinds else f"{label}+{n}", kinds.get(n, kind), gpus.get(n),
+                                   results[n], spec, base))
     if not refs:
         raise BenchInputError("no reference deployment in these files: run `python -m bench compare ... "
                               "--reference tp8=profile:baseline-tp8` (or URL@GPUS) first")
