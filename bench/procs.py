@@ -24,6 +24,7 @@ class Proc:
     name: str
     proc: subprocess.Popen
     url: str = ""
+    urls: list[str] = field(default_factory=list)  # every `listening on` URL (two for a co-located pair)
     _stderr: deque = field(default_factory=lambda: deque(maxlen=20))
     _readers: list[threading.Thread] = field(default_factory=list)
 
@@ -50,8 +51,8 @@ class Proc:
         return self.proc.returncode
 
 
-def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = None) -> Proc:
-    """Run `python -m <args>` and wait for its `listening on URL` line."""
+def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = None, lines: int = 1) -> Proc:
+    """Run `python -m <args>` and wait for its `listening on URL` line (or its first `lines` such lines)."""
     cmd = [sys.executable, "-m", *args]
     try:
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -61,15 +62,18 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     p = Proc(name=name, proc=popen)
     found: list[str] = []
     ready = threading.Event()
+    eof = threading.Event()
 
     def read_stdout() -> None:
         # Keep draining after the line so a chatty child never blocks on a full pipe.
         with popen.stdout:  # type: ignore[union-attr]
             for line in popen.stdout:  # type: ignore[union-attr]
-                if not found and (m := LISTEN_RE.match(line.strip())):
+                if len(found) < lines and (m := LISTEN_RE.match(line.strip())):
                     found.append(m.group(1))
-                    ready.set()
-        ready.set()  # EOF: the child exited
+                    if len(found) == lines:
+                        ready.set()
+        eof.set()
+        ready.set()  # EOF: the child exited (or closed its stdout)
 
     def read_stderr() -> None:
         with popen.stderr:  # type: ignore[union-attr]
@@ -81,13 +85,18 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     for t in p._readers:
         t.start()
     ready.wait(wait_s)
-    if found:
-        p.url = found[0]
+    if len(found) >= lines:
+        p.url, p.urls = found[0], list(found[:lines])
         return p
     rc = popen.poll()
+    if rc is None and eof.is_set():
+        # stdout closed just before the exit: give the child a moment to be reaped (a loaded machine)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = popen.wait(5)
     if rc is None:
         p.stop()
-        raise ProcError(f"{name}: no 'listening on' line within {wait_s:g}s ({' '.join(args)})")
+        what = "line" if lines == 1 else f"{lines} lines"
+        raise ProcError(f"{name}: no 'listening on' {what} within {wait_s:g}s ({' '.join(args)})")
     p.stop()  # reaps it and lets the readers reach EOF, so the stderr tail is complete
     raise ProcError(f"{name}: exited with code {rc} before listening ({' '.join(args)}): {p.stderr_tail()}")
 
@@ -97,6 +106,19 @@ def start_sim(profile: str, speedup: float, name: str | None = None, extra: list
     which = ["--profile-file", profile] if profile.endswith(".json") else ["--profile", profile]
     return start(name or f"sim {profile}",
                  ["bench", "sim", *which, "--port", "0", "--speedup", f"{speedup:g}", *(extra or [])])
+
+
+def start_colocated(profile_a: str, profile_b: str, speedup: float, kv_share: float = 0.5,
+                    extra: list[str] | None = None, name: str | None = None) -> tuple[Proc, str, str]:
+    """Two simulated servers time-sharing one set of simulated GPUs, in one process: (proc, url_a, url_b).
+
+    `profile_a` gets `kv_share` of its KV capacity, `profile_b` the rest; each is a built-in profile name or
+    a profile JSON path. Stopping the Proc stops both servers."""
+    which = ["--profile-file", profile_a] if profile_a.endswith(".json") else ["--profile", profile_a]
+    p = start(name or f"co-located sims {profile_a} + {profile_b}",
+              ["bench", "sim", *which, "--colocated-with", profile_b, "--kv-share", f"{kv_share:g}", "--port", "0",
+               "--port-b", "0", "--speedup", f"{speedup:g}", *(extra or [])], lines=2)
+    return p, p.urls[0], p.urls[1]
 
 
 def start_router(speculative: list[str], baseline: list[str], policy: str, threshold: int | None = None,

@@ -180,7 +180,9 @@ async def test_admin_endpoint_validates(sim_factory):
         async with s.get(sim.url + "/_sim/stats") as r:
             stats = await r.json()
         assert set(stats) == {"running", "queued", "requests_total", "completed_total", "aborted_total",
-                              "faults_injected"}
+                              "faults_injected", "max_total_tokens", "busy_s", "gpu_wait_s", "gpu_switches",
+                              "colocated_with"}
+        assert stats["colocated_with"] == [] and stats["gpu_wait_s"] == 0
 
 
 async def test_startup_flags_in_a_subprocess(sim_process_factory):

@@ -1,4 +1,4 @@
-"""`python -m bench sim`: run one simulated SGLang server until SIGTERM/SIGINT."""
+"""`python -m bench sim`: run one simulated SGLang server (or a co-located pair) until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,8 @@ import sys
 from pydantic import ValidationError
 
 from bench.sim.faults import Faults
-from bench.sim.profiles import builtin_names, load_profile, load_profile_file
+from bench.sim.gpu import DEFAULT_SWITCH_MS, Gpu
+from bench.sim.profiles import Profile, builtin_names, load_profile, load_profile_file
 from bench.sim.server import SimConfig, SimServer
 
 
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int)
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds during which /health is 503")
     p.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group("co-location (two servers time-sharing the same GPUs, in this one process)")
+    c.add_argument("--colocated-with", metavar="PROFILE", help="also run a second server with this profile (built-in "
+                   "name or .json file) on the same simulated GPUs; prints a second 'listening on' line")
+    c.add_argument("--kv-share", type=float, default=0.5, help="fraction of the profile's KV capacity the first "
+                   "server gets (its memory share); the second gets the rest (default 0.5)")
+    c.add_argument("--port-b", type=int, help="port of the second server (default: --port + 1, or 0 with --port 0)")
+    c.add_argument("--switch-ms", type=float, default=DEFAULT_SWITCH_MS, help="assumed simulated ms a GPU "
+                   f"context switch costs when both servers are busy (default {DEFAULT_SWITCH_MS:g})")
     f = p.add_argument_group("faults (wall-clock seconds; also settable at run time via POST /_sim/faults)")
     f.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
     f.add_argument("--error-status", type=int, default=500, choices=[500, 503])
@@ -44,8 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _profile(ref: str) -> Profile:
+    return load_profile_file(ref) if ref.endswith(".json") else load_profile(ref)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Raises ValueError (ProfileError included) with a one-line message on bad input."""
+    return configs_from_args(args)[0]
+
+
+def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
+    """One config, or two for a co-located pair (first: --profile, second: --colocated-with).
+
+    Raises ValueError (ProfileError included) with a one-line message on bad input."""
     profile = load_profile_file(args.profile_file) if args.profile_file else load_profile(args.profile)
     try:
         faults = Faults(error_rate=args.error_rate, error_status=args.error_status, hang=args.hang,
@@ -57,40 +77,62 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         raise ValueError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
-    return SimConfig(profile=profile, model=args.model, speedup=args.speedup,
-                     max_running_requests=args.max_running_requests,
-                     max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay,
-                     seed=args.seed, faults=faults)
+    common = dict(model=args.model, speedup=args.speedup, max_running_requests=args.max_running_requests,
+                  max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay, seed=args.seed)
+    if args.colocated_with is None:
+        return [SimConfig(profile=profile, faults=faults, **common)]
+    other = _profile(args.colocated_with)
+    if other.tp_size != profile.tp_size:
+        raise ValueError(f"--colocated-with: both servers share the same GPUs, but {profile.name} is TP"
+                         f"{profile.tp_size} and {other.name} is TP{other.tp_size}")
+    if not 0 < args.kv_share < 1:
+        raise ValueError(f"--kv-share must be between 0 and 1 (exclusive), got {args.kv_share:g}")
+    if args.switch_ms < 0:
+        raise ValueError(f"--switch-ms must be >= 0, got {args.switch_ms:g}")
+    if args.port_b is not None and not 0 <= args.port_b <= 65535:
+        raise ValueError(f"--port-b must be 0..65535, got {args.port_b}")
+    shares = (args.kv_share, 1.0 - args.kv_share)
+    return [SimConfig(profile=prof, faults=faults.model_copy(), max_total_tokens=max(1, int(prof.max_total_num_tokens * f)),
+                      **common) for prof, f in zip((profile, other), shares, strict=True)]
 
 
-async def _serve(cfg: SimConfig, host: str, port: int) -> int:
-    server = SimServer(cfg)
-    try:
-        await server.start(host, port)
-    except OSError as exc:
-        await server.close()
-        print(f"bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+async def _serve(cfgs: list[SimConfig], host: str, ports: list[int], switch_ms: float) -> int:
+    gpu = Gpu(switch_ms) if len(cfgs) > 1 else None
+    servers = [SimServer(cfg, gpu) for cfg in cfgs]
+    for server, port in zip(servers, ports, strict=True):
+        try:
+            await server.start(host, port)
+        except OSError as exc:
+            for s in servers:
+                await s.close()
+            print(f"bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     # Handlers go in before the line that tells a parent we are up, so its SIGTERM is never the default one.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"listening on {server.url}", flush=True)
+    for server in servers:  # the first server's line first: parents read them in that order
+        print(f"listening on {server.url}", flush=True)
     await stop.wait()
-    await server.close()
+    for server in servers:
+        await server.close()
     return 0
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_from_args(args)
+        cfgs = configs_from_args(args)
     except ValueError as exc:
         print(f"bench sim: {exc}", file=sys.stderr)
         return 2
+    ports = [args.port]
+    if len(cfgs) > 1:
+        ports.append(args.port_b if args.port_b is not None else (args.port + 1 if args.port else 0))
+    serve = _serve(cfgs, args.host, ports, args.switch_ms)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(_serve(cfg, args.host, args.port))
-    return uvloop.run(_serve(cfg, args.host, args.port))
+        return asyncio.run(serve)
+    return uvloop.run(serve)

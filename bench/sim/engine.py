@@ -9,6 +9,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from bench.sim.gpu import Gpu
 from bench.sim.profiles import Profile
 
 _WORDS = (
@@ -195,11 +196,19 @@ class Engine:
     """
 
     def __init__(self, profile: Profile, *, speedup: float = 1.0, max_running_requests: int | None = None,
-                 max_queued_requests: int | None = None) -> None:
+                 max_queued_requests: int | None = None, max_total_tokens: int | None = None,
+                 gpu: Gpu | None = None) -> None:
         self.profile = profile
         self.speedup = speedup
         self.max_running = max_running_requests or profile.max_running_requests
         self.max_queued = max_queued_requests
+        # KV capacity in tokens (a co-located server gets its memory share of the profile's)
+        self.max_total_tokens = max_total_tokens or profile.max_total_num_tokens
+        self.gpu = gpu
+        self.reserved_tokens = 0  # KV the running requests will hold at their end (prompt + output)
+        self.deadline = 0.0  # wall time at which the current step ends
+        self.busy_s = 0.0  # simulated seconds of GPU time this engine's steps took
+        self.gpu_wait_s = 0.0  # simulated seconds its steps waited for a co-located server's steps
         self.waiting: collections.deque[SimRequest] = collections.deque()
         self.running: list[SimRequest] = []
         self.requests_total = 0
@@ -228,7 +237,7 @@ class Engine:
         return sum(r.prompt_tokens + r.generated for r in self.running)
 
     def token_usage(self) -> float:
-        return min(1.0, self.used_tokens() / self.profile.max_total_num_tokens)
+        return min(1.0, self.used_tokens() / self.max_total_tokens)
 
     def gen_throughput(self, window: float = 5.0) -> float:
         """Generated tokens per simulated second over the last `window` simulated seconds."""
@@ -279,6 +288,7 @@ class Engine:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
+            self.reserved_tokens -= req.prompt_tokens + len(req.tokens)
         req.state = "aborted"
         req.finished_at = time.monotonic()
         self.aborted_total += 1
@@ -295,9 +305,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = time.monotonic()  # idle: the next step starts now, not in the past
-            admitted = []
-            while self.waiting and len(self.running) + len(admitted) < self.max_running:
-                admitted.append(self.waiting.popleft())
+            admitted = self._admit()
             decoding = list(self.running)
             now = time.monotonic()
             for req in admitted:
@@ -306,7 +314,7 @@ class Engine:
                 self.running.append(req)
             step = self.profile.step_ms(len(decoding)) if decoding else 0.0
             step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))
-            deadline += step / 1000.0 / self.speedup
+            deadline = self._schedule(deadline, step)
             delay = deadline - time.monotonic()
             if delay > 0:
                 behind = 0
@@ -318,6 +326,29 @@ class Engine:
                 if behind % CATCH_UP_STEPS == 0:
                     await asyncio.sleep(0)
             self._emit(admitted, decoding)
+
+    def _admit(self) -> list[SimRequest]:
+        """Waiting requests (first come, first served) that fit in a batch slot and in the KV capacity."""
+        admitted: list[SimRequest] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            need = self.waiting[0].prompt_tokens + len(self.waiting[0].tokens)
+            # a request larger than the whole pool still runs alone rather than wait forever
+            if self.reserved_tokens + need > self.max_total_tokens and (self.running or admitted):
+                break
+            self.reserved_tokens += need
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _schedule(self, deadline: float, step_ms: float) -> float:
+        """The wall time the next step ends; on shared GPUs it first waits for the other server's step."""
+        if self.gpu is None:
+            end = deadline + step_ms / 1000.0 / self.speedup
+        else:
+            begin, end = self.gpu.reserve(self, deadline, step_ms, self.speedup)
+            self.gpu_wait_s += (begin - deadline) * self.speedup
+        self.busy_s += step_ms / 1000.0
+        self.deadline = end
+        return end
 
     def _emit(self, admitted: list[SimRequest], decoding: list[SimRequest]) -> None:
         now = time.monotonic()
@@ -369,6 +400,7 @@ class Engine:
             req.state = "finished"
             req.finished_at = now
             self.running.remove(req)
+            self.reserved_tokens -= req.prompt_tokens + total
             self.completed_total += 1
             if self.on_finish is not None:
                 self.on_finish(req)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from bench.sim import protocol as P
 from bench.sim.engine import Engine, QueueFull, SimRequest, build_request, count_tokens
 from bench.sim.faults import Faults
+from bench.sim.gpu import Gpu
 from bench.sim.metrics import SimMetrics
 from bench.sim.profiles import Profile, load_profile
 
@@ -31,6 +32,7 @@ class SimConfig:
     speedup: float = 1.0
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
+    max_total_tokens: int | None = None  # KV capacity in tokens (default: the profile's)
     startup_delay: float = 0.0  # wall seconds during which /health answers 503
     seed: int = 0
     faults: Faults = field(default_factory=Faults)
@@ -42,6 +44,8 @@ class SimConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError("max_total_tokens must be >= 1")
         if self.startup_delay < 0:
             raise ValueError("startup_delay must be >= 0")
 
@@ -64,11 +68,16 @@ def _error(message: str, err_type: str, code: int) -> web.Response:
 class SimServer:
     """One simulated SGLang server on 127.0.0.1 (see docs/ARCHITECTURE.md for the contract)."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, gpu: Gpu | None = None) -> None:
+        """`gpu`: GPUs shared with other servers of this process (co-location); None = this server's own."""
         self.cfg = cfg
         self.profile = cfg.profile
+        self.gpu = gpu
         self.engine = Engine(cfg.profile, speedup=cfg.speedup, max_running_requests=cfg.max_running_requests,
-                             max_queued_requests=cfg.max_queued_requests)
+                             max_queued_requests=cfg.max_queued_requests, max_total_tokens=cfg.max_total_tokens,
+                             gpu=gpu)
+        if gpu is not None:
+            gpu.members.append(self)
         self.engine.on_finish = self._on_finish
         self.metrics = SimMetrics(cfg.served_model_name)
         self.faults = cfg.faults
@@ -438,7 +447,7 @@ class SimServer:
             "dp_size": 1, "pp_size": 1, "context_length": p.context_len,
             "max_running_requests": self.cfg.max_running_requests,
             "max_queued_requests": self.cfg.max_queued_requests,
-            "max_total_tokens": p.max_total_num_tokens, "enable_metrics": True, "random_seed": self.cfg.seed,
+            "max_total_tokens": e.max_total_tokens, "enable_metrics": True, "random_seed": self.cfg.seed,
             "speculative_algorithm": "EAGLE3" if p.speculative else None,
             "speculative_num_steps": p.speculative_num_steps if p.speculative else None,
             "speculative_eagle_topk": p.speculative_eagle_topk if p.speculative else None,
@@ -461,7 +470,7 @@ class SimServer:
             "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": e.num_running,
             "num_waiting_reqs": e.num_queued, "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in e.waiting),
             "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
-            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": p.max_total_num_tokens,
+            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": e.max_total_tokens,
             "max_running_requests": self._max_running(), "token_usage": e.token_usage(),
             "gen_throughput": e.gen_throughput(), "cache_hit_rate": 0.0,
             "utilization": min(1.0, e.num_running / self._max_running()),
@@ -544,8 +553,10 @@ class SimServer:
                 raise ValueError
         except (ValueError, TypeError, KeyError):
             return _error('body must be {"speedup": K} with K > 0', "BadRequestError", 400)
-        self.cfg.speedup = value
-        self.engine.speedup = value
+        # co-located servers run on one clock: the change applies to every server on these GPUs
+        for server in self.gpu.members if self.gpu is not None else [self]:
+            server.cfg.speedup = value
+            server.engine.speedup = value
         return web.json_response({"speedup": value})
 
     async def stats(self, request: web.Request) -> web.Response:
@@ -554,4 +565,10 @@ class SimServer:
             "running": e.num_running, "queued": e.num_queued, "requests_total": e.requests_total,
             "completed_total": e.completed_total, "aborted_total": e.aborted_total,
             "faults_injected": dict(self.faults_injected),
+            "max_total_tokens": e.max_total_tokens,
+            # simulated seconds: GPU time of this server's steps, and time its steps waited for a co-located
+            # server's (0 when alone); gpu_switches counts context switches on the shared GPUs
+            "busy_s": round(e.busy_s, 6), "gpu_wait_s": round(e.gpu_wait_s, 6),
+            "colocated_with": [m.url for m in self.gpu.members if m is not self] if self.gpu is not None else [],
+            "gpu_switches": self.gpu.switches if self.gpu is not None else 0,
         })
