@@ -167,12 +167,18 @@ def verdict_lines(rows: list[dict], configs: list[str], refs: list[str], gpus: d
             continue
         tw, (tb, tr) = row["throughput_winner"], row["throughput_margin"] or ("-", 1.0)
         lw, (lb, lr) = row["latency_winner"], row["latency_margin"] or ("-", 1.0)
-        text = (f"c={c}: throughput: {tw} [{gpus_label(gpus.get(tw))}] wins, {tr:.2f}x of {tb}; "
-                f"median latency: {lw} [{gpus_label(gpus.get(lw))}] wins, {lr:.2f}x shorter than {lb}")
+        text = (f"c={c}: throughput: {_won(tw, tb, tr, gpus, 'of')}; "
+                f"median latency: {_won(lw, lb, lr, gpus, 'shorter than')}")
         if row.get("note"):
             text += f" ({row['note']})"
         lines.append(text)
     return lines
+
+
+def _won(winner: str, other: str, ratio: float, gpus: dict[str, int | None], rel: str) -> str:
+    if ratio < 1 + NOISE:
+        return f"{winner} and {other} tie ({ratio:.2f}x, within the {NOISE:.0%} noise band)"
+    return f"{winner} [{gpus_label(gpus.get(winner))}] wins, {ratio:.2f}x {rel} {other}"
 
 
 def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[str, int | None]) -> str:
