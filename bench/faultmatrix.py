@@ -38,6 +38,9 @@ ROUTER_FLAGS = {
     "--health-interval": "0.5", "--health-timeout": "1", "--health-failure-threshold": "3",
     "--health-success-threshold": "2", "--connect-timeout": "1", "--first-byte-timeout": "2",
     "--idle-timeout": "2", "--drain-timeout": "10", "--log-level": "warning",
+    # Passive ejection at its defaults, printed so the table says what it ran with.
+    "--eject-consecutive-errors": "5", "--eject-base-seconds": "5", "--eject-max-seconds": "60",
+    "--eject-trial-requests": "3",
 }
 
 
@@ -164,29 +167,32 @@ async def router_sigterm(st: Stack, tl: Timeline, stop: asyncio.Event) -> None:
 ROWS: list[Row] = [
     Row("kill", "backend SIGKILLed mid-stream", "SIGKILL the speculative simulator at t=2 s", kill_mid_stream,
         expect="streams on it end with an SSE error event + [DONE]; new requests retried on the other pool; "
-               "ejected at the first refused connection"),
+               "ejected after 5 refused connections in a row"),
     Row("hang", "backend hangs before the first byte (its /health too, as SGLang's runs a generation)",
         "POST /_sim/faults {hang, health_delay: 30} at t=2 s", generation_fault(hang=True, health_delay=30.0),
         expect="504 after the 2 s first-byte timeout; ejected after 3 failed probes; then the other pool"),
     Row("hang_health_ok", "backend hangs before the first byte, /health still 200",
         "POST /_sim/faults {hang} at t=2 s, cleared at t=6 s", generation_fault(4.0, hang=True),
-        expect="504 after the 2 s first-byte timeout per request; no ejection (probes pass)"),
+        expect="504 after the 2 s first-byte timeout; ejected after 5 timeouts in a row although probes pass"),
     Row("stall", "backend stalls mid-stream (its /health too)",
         "POST /_sim/faults {stall_after_chunks: 3, health_delay: 30} at t=2 s",
         generation_fault(stall_after_chunks=3, health_delay=30.0),
         expect="SSE error event + [DONE] after the 2 s idle timeout; ejected after 3 failed probes"),
     Row("stall_health_ok", "backend stalls mid-stream, /health still 200",
         "POST /_sim/faults {stall_after_chunks: 3} at t=2 s, cleared at t=6 s", generation_fault(4.0, stall_after_chunks=3),
-        expect="SSE error event + [DONE] after the 2 s idle timeout per request; no ejection"),
+        expect="SSE error event + [DONE] after the 2 s idle timeout; ejected after 5 in a row although probes pass"),
     Row("error500", "backend answers 500", "POST /_sim/faults {error_rate: 1, error_status: 500} at t=2 s, cleared at t=6 s",
         generation_fault(4.0, error_rate=1.0, error_status=500),
-        expect="the backend's 500 passed through unchanged (not retried: may be the request's fault)"),
+        expect="a handful of 500s passed through (not retried: may be the request's fault), then ejected after 5 "
+               "in a row; the other pool serves; trial requests bring it back after the fault clears"),
     Row("error503", "backend answers 503", "POST /_sim/faults {error_rate: 1, error_status: 503} at t=2 s, cleared at t=6 s",
         generation_fault(4.0, error_rate=1.0, error_status=503),
-        expect="retried once on the other pool before any byte went out: clients see complete answers"),
+        expect="retried once on the other pool before any byte went out: clients see complete answers; "
+               "ejected after 5 in a row"),
     Row("refuse", "backend refuses connections", "POST /_sim/faults {refuse_for: 3} at t=2 s (listener back at t=5 s)",
         refuse, duration=9.0,
-        expect="retried on the other pool, ejected at once; back after 2 good probes"),
+        expect="retried on the other pool, ejected after 5 refusals in a row; back after the ejection and 2 "
+               "good probes"),
     Row("health_slow", "/health slow (1.5 s > 1 s probe timeout) for 1.5 s, generation fine",
         "POST /_sim/faults {health_delay: 1.5} at t=2 s, cleared at t=3.5 s", generation_fault(1.5, health_delay=1.5),
         expect="at most 2 probes fail (< threshold 3): never ejected, no request moves"),

@@ -28,6 +28,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
     pools = Pools(settings.speculative, settings.baseline, policy=settings.policy, threshold=settings.threshold,
                   hysteresis=settings.hysteresis, metrics=metrics, curves=settings.curves(),
+                  outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)

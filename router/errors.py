@@ -83,6 +83,13 @@ class UpstreamConnectError(UpstreamError):
     code, kind, retryable = "backend_unreachable", "connect", True
 
 
+class UpstreamLocalError(UpstreamError):
+    """The router itself could not open the connection (out of file descriptors or ports, DNS): not the
+    backend's fault, so it never counts against the backend."""
+
+    status, type, code, kind, retryable = 503, "service_unavailable", "router_local_error", "local", True
+
+
 class UpstreamDisconnected(UpstreamError):
     code, kind = "backend_disconnected", "disconnect"
 

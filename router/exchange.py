@@ -35,6 +35,7 @@ from router.pools import Lease
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events
 from router.upstream import FIRST_BYTE, IDLE
+from router.watchdog import Watchdog
 
 POOL_HEADER = "X-Router-Pool"
 BACKEND_HEADER = "X-Router-Backend"
@@ -82,7 +83,8 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
-        self.delivered = False  # [DONE] went out: a client leaving after it got the whole answer
+        self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
+        self.watchdog: Watchdog | None = None
         st.exchanges.add(self)
 
     def cut_now(self) -> None:
@@ -165,19 +167,29 @@ class Exchange:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def stream(self, resp: aiohttp.ClientResponse, first: bytes, strip: bool) -> web.StreamResponse:
-        """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out."""
+        """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out.
+
+        Writes do not wait for the client (up to write_buffer_bytes), so the upstream is read at the backend's
+        pace and the lease ends when the backend's answer does; the client then gets the rest within
+        write_timeout-bounded stalls.
+        """
         m = self.st.metrics
-        idle = self.st.settings.idle_timeout
+        s = self.st.settings
         url = self.lease.backend.url
+        cap = s.write_buffer_bytes
         headers = {**self.headers(), "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                    "Cache-Control": "no-cache"}
         out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""
         last = None
         chunk = first
+        done_sent = False
         try:
-            await out.prepare(self.request)
+            writer = await out.prepare(self.request)
+            transport = self.request.transport
+            assert writer is not None and transport is not None
             self.code = str(resp.status)
+            self.watchdog = dog = Watchdog(s.idle_timeout, s.write_timeout, transport, writer, resp)
             while chunk:
                 events, buf = split_events(buf + chunk)
                 if events:
@@ -191,25 +203,28 @@ class Exchange:
                     else:
                         m.itl_by_pool[self.pool].observe(now - last)
                     last = now
-                    await out.write(events)
-                    self.delivered = events.rstrip().endswith(b"data: [DONE]")
+                    await writer.write(events, drain=False)
+                    done_sent = events.rstrip().endswith(b"data: [DONE]")
+                    # The kernel took it all: the client has the whole answer even if it leaves now.
+                    self.delivered = done_sent and not transport.get_write_buffer_size()
+                    if transport.get_write_buffer_size() > cap:
+                        await writer.drain()  # the client is that far behind: let the backend wait too
                 try:
-                    async with asyncio.timeout(idle):
-                        chunk = await upstream.read_chunk(resp, url, IDLE)
-                except TimeoutError as exc:
-                    err = upstream.map_error(exc, url, IDLE, got_headers=True)
-                except UpstreamError as exc:
-                    err = exc
-                else:
-                    continue
-                # Headers went out already: tell the client in-band, then end the stream cleanly.
-                self.upstream_failed(err)
-                await out.write(sse_error_event(err))
-                buf = b""
-                break
+                    chunk = await upstream.read_chunk(resp, url, IDLE)
+                except UpstreamError as err:
+                    # Headers went out already: tell the client in-band, then end the stream cleanly.
+                    self.upstream_failed(err)
+                    self.end_upstream(done_sent)
+                    await writer.write(sse_error_event(err), drain=False)
+                    buf = b""
+                    break
+                dog.last_chunk = time.monotonic()
             if buf:
-                await out.write(scan_usage(buf, self.usage, strip))
+                await writer.write(scan_usage(buf, self.usage, strip), drain=False)
+            self.end_upstream(done_sent)
             await out.write_eof()
+            await flush(writer, transport)
+            self.delivered = self.delivered or done_sent
         except ConnectionError:
             if not self.delivered:
                 self.code = CLIENT_CLOSED  # the client went away while we wrote to it
@@ -226,11 +241,14 @@ class Exchange:
                 self.code = CLIENT_CLOSED
         return out
 
-    def finish(self) -> None:
-        """Runs exactly once, in `finally`: release the lease, close upstream, record the outcome."""
-        self.st.exchanges.discard(self)
+    def end_upstream(self, complete: bool = False) -> None:
+        """The backend's part is over (answered, failed or abandoned): report it and release the lease, once."""
+        if self.lease.released:
+            return
+        if self.watchdog is not None:
+            self.watchdog.upstream_done()
         b = self.lease.backend
-        ok = self.code.startswith("2") and (self.delivered or self.ttft is None)
+        ok = self.code.startswith("2") and (complete or self.ttft is None)
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             self.usage.completion if self.usage.seen else None, self.chunks, ok))
@@ -241,6 +259,14 @@ class Exchange:
                 self.upstream.release()
             else:
                 self.upstream.close()
+
+    def finish(self) -> None:
+        """Runs exactly once, in `finally`: release the lease if still held, record the outcome."""
+        self.st.exchanges.discard(self)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.end_upstream(self.delivered)
+        b = self.lease.backend
         m = self.st.metrics
         m.requests.labels(b.pool, b.url, self.code).inc()
         m.duration.labels(b.pool).observe(time.monotonic() - self.t0)
@@ -249,6 +275,19 @@ class Exchange:
             m.completion_tokens.labels(b.pool).inc(self.usage.completion)
         if self.code == CLIENT_CLOSED:
             m.disconnects.labels(b.pool).inc()
+
+
+async def flush(writer, transport: asyncio.BaseTransport) -> None:
+    """Wait until the client has taken every byte (the watchdog bounds each stall)."""
+    if transport.is_closing() or not transport.get_write_buffer_size():
+        return
+    low, high = transport.get_write_buffer_limits()
+    transport.set_write_buffer_limits(high=0)  # paused until the buffer is empty
+    try:
+        await writer.drain()
+    finally:
+        if not transport.is_closing():
+            transport.set_write_buffer_limits(high=high, low=low)
 
 
 async def proxy(request: web.Request, path: str) -> web.StreamResponse:

@@ -10,6 +10,7 @@ from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.tasks import cancel
+from router.upstream import is_local
 
 log = logging.getLogger("router.health")
 
@@ -35,8 +36,14 @@ class HealthChecker:
                 async with self.session.get(b.url + "/health", headers=headers) as resp:
                     await resp.read()
                     ok = resp.status == 200
-        except aiohttp.ClientConnectorError:
-            b.refused()
+        except aiohttp.ClientConnectorError as exc:
+            if is_local(exc):
+                # Our own trouble (file descriptors, DNS) says nothing about the backend: no verdict.
+                log.warning("health probe of %s not sent: %s", b.url, exc)
+                self.metrics.health_probes.labels(b.url, "local").inc()
+                return
+            # Refused counts like any failed probe: one refusal (a restart) must not take it out alone.
+            b.probe_failed(s.health_failure_threshold)
             self.metrics.health_probes.labels(b.url, "refused").inc()
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             b.probe_failed(s.health_failure_threshold)
@@ -50,13 +57,20 @@ class HealthChecker:
         if b.healthy != was:
             log.log(logging.INFO if b.healthy else logging.WARNING, "backend %s (%s) is now %s", b.url, b.pool,
                     "up" if b.healthy else "down")
+            if not b.healthy:
+                self.pools.tick()  # it may have been the last routable one: ejected backends come back now
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.pools.backends))
+        self.pools.tick()
 
     async def _loop(self) -> None:
         while True:
-            await self.run_round()
+            try:
+                await self.run_round()
+            except Exception:
+                # A bug in one round must not end probing for the life of the process.
+                log.exception("health probe round failed; probing continues")
             self.first_round.set()
             await asyncio.sleep(self.settings.health_interval)
 

@@ -55,12 +55,19 @@ class LoadPoller:
         b.report(load)
         self.metrics.reported_load.labels(b.pool, b.url).set(-1 if load is None else load)
 
+    async def run_round(self) -> None:
+        for b in self.pools.backends:
+            if not b.healthy:
+                b.report(None)
+        await asyncio.gather(*(self.poll(b) for b in self.pools.backends if b.healthy))
+
     async def _loop(self) -> None:
         while True:
-            for b in self.pools.backends:
-                if not b.healthy:
-                    b.report(None)
-            await asyncio.gather(*(self.poll(b) for b in self.pools.backends if b.healthy))
+            try:
+                await self.run_round()
+            except Exception:
+                # A bug in one round must not end polling for the life of the process.
+                log.exception("load poll round failed; polling continues")
             await asyncio.sleep(self.settings.load_interval)
 
     def start(self) -> None:

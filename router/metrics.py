@@ -31,8 +31,14 @@ class Metrics:
                                      ["pool"], registry=registry)
         self.completion_tokens = Counter("router_completion_tokens_total", "Completion tokens reported by backends",
                                          ["pool"], registry=registry)
-        self.backend_up = Gauge("router_backend_up", "1 when the backend is healthy and routable",
+        self.backend_up = Gauge("router_backend_up", "1 when the backend is healthy and not ejected (on trial counts)",
                                 ["pool", "backend"], registry=registry)
+        self.backend_state = Gauge("router_backend_state",
+                                   "1 for the backend's current state: up, down (health probes), ejected, trial",
+                                   ["pool", "backend", "state"], registry=registry)
+        self.ejections = Counter("router_backend_ejections_total",
+                                 "Passive ejections after consecutive failures, by the last failure's kind",
+                                 ["pool", "backend", "reason"], registry=registry)
         self.threshold = Gauge("router_threshold", "Configured routing threshold", registry=registry)
         self.upstream_errors = Counter("router_upstream_errors_total", "Transport failures talking to a backend",
                                        ["backend", "kind"], registry=registry)

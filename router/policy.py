@@ -31,7 +31,9 @@ class BackendView(Protocol):
 
     url: str
     pool: str
-    healthy: bool
+
+    @property
+    def routable(self) -> bool: ...  # healthy per the probes and not ejected (router.outlier)
 
     @property
     def load_estimate(self) -> int: ...
@@ -45,6 +47,10 @@ class BackendLoad:
     pool: str
     inflight: int
     healthy: bool
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy
 
     @property
     def load_estimate(self) -> int:
@@ -96,7 +102,7 @@ def other(pool: str) -> str:
 
 
 def healthy(backends: Sequence[BackendView]) -> list[BackendView]:
-    return [b for b in backends if b.healthy]
+    return [b for b in backends if b.routable]
 
 
 def least(cands: Sequence[BackendView], rng: random.Random) -> BackendView:
@@ -245,7 +251,7 @@ def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
 def retry_target(view: View, failed_url: str, failed_pool: str, rng: random.Random) -> BackendView | None:
     """Another backend for a retry: the same pool if it has another healthy one, else the other pool."""
     for pool in (failed_pool, other(failed_pool)):
-        cands = [b for b in view.pool(pool) if b.healthy and b.url != failed_url]
+        cands = [b for b in view.pool(pool) if b.routable and b.url != failed_url]
         if cands:
             return least(cands, rng)
     return None

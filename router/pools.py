@@ -1,22 +1,37 @@
 """Backends, their pools and health state, and the lease that is the only way to change an in-flight count."""
 from __future__ import annotations
 
+import logging
 import random
+import time
 from collections.abc import Iterable
 
+from router import outlier
 from router.curves import CurvePoints
 from router.metrics import Metrics
-from router.observe import REFUSED, Attempt, Observation
+from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, Observation
+from router.outlier import OutlierConfig, OutlierState
 from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
+
+log = logging.getLogger("router.pools")
+
+# Backend states as the router reports them (router_backend_state): "down" is the health probes' verdict,
+# the others are router.outlier's phases of a backend the probes call healthy.
+UP, DOWN = "up", "down"
+STATES: tuple[str, ...] = (UP, DOWN, outlier.EJECTED, outlier.TRIAL)
+_IN = (UP, outlier.TRIAL)  # router_backend_up reads 1 in these
+# Why a backend was ejected (a label): an HTTP 5xx, or the transport failure kind of the last attempt.
+EJECT_REASONS: tuple[str, ...] = ("5xx", *(k for k in ATTEMPT_KINDS if k not in (OK, LOCAL)))
 
 
 class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
-                 "reported", "_inflight_at_report")
+                 "reported", "_inflight_at_report", "outlier", "outlier_cfg")
 
-    def __init__(self, url: str, pool: str, api_key: str | None = None) -> None:
+    def __init__(self, url: str, pool: str, api_key: str | None = None,
+                 outlier_cfg: OutlierConfig | None = None) -> None:
         self.url = url
         self.pool = pool
         self.api_key = api_key
@@ -28,6 +43,8 @@ class Backend:
         self._inflight = 0
         self.reported: int | None = None  # running + waiting the backend itself last reported
         self._inflight_at_report = 0
+        self.outlier = OutlierState()  # passive ejection, driven by Pools.report_attempt
+        self.outlier_cfg = outlier_cfg or OutlierConfig()
 
     @property
     def inflight(self) -> int:
@@ -57,8 +74,22 @@ class Backend:
         # Clamp: a count below zero would make this backend look idle for ever.
         self._inflight = max(0, self._inflight - 1)
 
+    @property
+    def routable(self) -> bool:
+        """May a new request go here: healthy per the probes, and not ejected (on trial: below its trial cap).
+        The one property policies read."""
+        return self.healthy and (self.outlier.phase == outlier.ACTIVE or
+                                 outlier.admits(self.outlier, time.monotonic(), self._inflight, self.outlier_cfg))
+
+    def state(self, now: float | None = None) -> str:
+        """One of STATES: down (probes), ejected, trial, or up."""
+        if not self.healthy:
+            return DOWN
+        phase = outlier.phase_at(self.outlier, time.monotonic() if now is None else now)
+        return UP if phase == outlier.ACTIVE else phase
+
     def load(self) -> BackendLoad:
-        return BackendLoad(self.url, self.pool, self.load_estimate, self.healthy)
+        return BackendLoad(self.url, self.pool, self.load_estimate, self.routable)
 
     # Health transitions; the thresholds keep one slow probe on a busy backend from ejecting it.
     def probe_ok(self, success_threshold: int) -> None:
@@ -75,14 +106,9 @@ class Backend:
             self.healthy = False
         self.ever_probed = True
 
-    def refused(self) -> None:
-        """A refused connection is unambiguous: down at once, until probes bring it back."""
-        self.successes = 0
-        self.healthy = False
-        self.ever_probed = True
-
     def __repr__(self) -> str:
-        return f"Backend({self.url!r}, {self.pool}, inflight={self._inflight}, healthy={self.healthy})"
+        return (f"Backend({self.url!r}, {self.pool}, inflight={self._inflight}, healthy={self.healthy}, "
+                f"{self.outlier.phase})")
 
 
 class Lease:
@@ -110,10 +136,13 @@ class Pools:
     def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str | Policy,
                  threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
                  metrics: Metrics | None = None, rng: random.Random | None = None,
-                 curves: tuple[CurvePoints, CurvePoints] | None = None) -> None:
+                 curves: tuple[CurvePoints, CurvePoints] | None = None,
+                 outlier_cfg: OutlierConfig | None = None) -> None:
         keys = keys or {}
-        self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative")) for u in speculative]
-        self.backends += [Backend(u, "baseline", keys.get("baseline")) for u in baseline]
+        self.outlier_cfg = outlier_cfg or OutlierConfig()
+        self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative"), self.outlier_cfg)
+                                        for u in speculative]
+        self.backends += [Backend(u, "baseline", keys.get("baseline"), self.outlier_cfg) for u in baseline]
         self.by_url = {b.url: b for b in self.backends}
         # Built once; policies read the live Backend objects through it, nothing is copied per request.
         self.view = View.of(self.backends)
@@ -121,6 +150,7 @@ class Pools:
                                if isinstance(policy, str) else policy)
         self.threshold = threshold
         self.rng = rng or random.Random()
+        self.metrics = metrics
         if metrics is not None:
             self._bind_metrics(metrics)
 
@@ -128,7 +158,12 @@ class Pools:
         # Gauges read the live values at scrape time, so they can never drift from the counts.
         for b in self.backends:
             metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
-            metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.healthy else 0.0)
+            metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.state() in _IN else 0.0)
+            for state in STATES:
+                metrics.backend_state.labels(b.pool, b.url, state).set_function(
+                    lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
+            for reason in EJECT_REASONS:
+                metrics.ejections.labels(b.pool, b.url, reason)
         metrics.threshold.set(self.threshold)
         for pool in POOLS:
             metrics.duration.labels(pool)
@@ -154,8 +189,60 @@ class Pools:
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:
         """Called once per upstream attempt, as soon as its outcome is known (headers or a failure)."""
-        if attempt.kind == REFUSED:
-            backend.refused()
+        outcome = outlier.classify(attempt.kind, attempt.status)
+        s = backend.outlier
+        if outcome == outlier.SUCCESS and s.phase == outlier.ACTIVE and s.failures == 0:
+            return  # the common case, kept cheap
+        now = time.monotonic()
+        may_eject = outcome == outlier.FAILURE and self._others_routable(backend, now)
+        new = outlier.step(s, outcome, now, self.outlier_cfg, may_eject)
+        if new is s:
+            return
+        backend.outlier = new
+        if new.phase != s.phase or outlier.phase_at(s, now) != new.phase:
+            self._log_change(backend, s, new, attempt, now)
+
+    def _others_routable(self, backend: Backend, now: float) -> bool:
+        # "Routable" here ignores the trial's in-flight cap: a backend on trial can take traffic.
+        return any(o is not backend and o.healthy and outlier.phase_at(o.outlier, now) != outlier.EJECTED
+                   for o in self.backends)
+
+    def _log_change(self, b: Backend, old: OutlierState, new: OutlierState, attempt: Attempt, now: float) -> None:
+        what = f"HTTP {attempt.status}" if attempt.kind == OK else attempt.kind
+        if new.phase == outlier.EJECTED:
+            reason = "5xx" if attempt.kind == OK else attempt.kind
+            if self.metrics is not None:
+                self.metrics.ejections.labels(b.pool, b.url, reason).inc()
+            after = (f"{self.outlier_cfg.consecutive_errors} consecutive failures" if old.phase == outlier.ACTIVE
+                     else "a failed trial request")
+            log.warning("backend %s (%s) ejected for %.3g s (ejection %d in a row) after %s, the last: %s",
+                        b.url, b.pool, new.until - now, new.ejections, after, what)
+        elif new.phase == outlier.TRIAL:
+            log.info("backend %s (%s) ejection over: on trial (%d request(s) at a time until %d succeed)",
+                     b.url, b.pool, self.outlier_cfg.trial_requests, self.outlier_cfg.trial_requests)
+        elif old.phase != outlier.ACTIVE and new.failures:
+            log.warning("backend %s (%s) failed a trial request (%s) but no other backend is routable: "
+                        "back in rotation, its errors pass through", b.url, b.pool, what)
+        else:
+            log.info("backend %s (%s) passed its trial: fully back", b.url, b.pool)
+
+    def tick(self, now: float | None = None) -> None:
+        """Periodic upkeep (the health loop calls it): log ejections that ran out, and when no backend is
+        routable any more, take ejected ones back rather than answer nobody (their errors pass through)."""
+        now = time.monotonic() if now is None else now
+        for b in self.backends:
+            if b.outlier.phase == outlier.EJECTED and now >= b.outlier.until:
+                b.outlier = OutlierState(outlier.TRIAL, 0, b.outlier.ejections, b.outlier.until, 0,
+                                         b.outlier.back_at)
+                log.info("backend %s (%s) ejection over: on trial (%d request(s) at a time until %d succeed)",
+                         b.url, b.pool, self.outlier_cfg.trial_requests, self.outlier_cfg.trial_requests)
+        if any(b.healthy and b.outlier.phase == outlier.ACTIVE for b in self.backends):
+            return
+        for b in self.backends:
+            if b.healthy and b.outlier.phase != outlier.ACTIVE:
+                b.outlier = outlier.restore(b.outlier, now)
+                log.warning("backend %s (%s) taken back early: no other backend is routable, its errors pass "
+                            "through", b.url, b.pool)
 
     def report_done(self, backend: Backend, obs: Observation) -> None:
         """Called once per finished exchange, just before its lease is released."""

@@ -11,6 +11,8 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
+from router.outlier import OutlierConfig
+
 PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced"]
 POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced")
 ENV_PREFIX = "ROUTER_"
@@ -126,12 +128,25 @@ class Settings(BaseSettings):
     connect_timeout: float = Field(5.0, gt=0, description="seconds to open a backend connection")
     first_byte_timeout: float = Field(300.0, gt=0, description="seconds until the backend's first body byte")
     idle_timeout: float = Field(60.0, gt=0, description="longest gap between streamed chunks, seconds")
+    write_timeout: float = Field(10.0, gt=0, description="seconds a write to a client may stall (it reads "
+                                 "nothing); then its connection is closed and counted as a disconnect")
+    write_buffer_bytes: int = Field(2 * 1024 * 1024, ge=65536, description="answer bytes held for a client that "
+                                    "reads slower than the backend writes; above it the backend's stream waits")
     retries: int = Field(1, ge=0, le=3, description="retries on another backend before the first byte")
 
     health_interval: float = Field(5.0, gt=0, description="seconds between active /health probes")
     health_timeout: float = Field(5.0, gt=0, description="seconds a probe may take")
     health_failure_threshold: int = Field(3, ge=1, description="failed probes in a row that mark a backend down")
     health_success_threshold: int = Field(2, ge=1, description="good probes in a row that mark it up again")
+
+    eject_consecutive_errors: int = Field(
+        5, ge=0, description="5xx answers or connection failures in a row that eject a backend (0: never eject; "
+        "4xx, client disconnects and the router's own errors do not count)")
+    eject_base_seconds: float = Field(5.0, gt=0, description="first ejection's length; each repeated one doubles")
+    eject_max_seconds: float = Field(60.0, gt=0, description="longest ejection; after this long fully back, "
+                                     "the next ejection is short again")
+    eject_trial_requests: int = Field(3, ge=1, description="after an ejection: requests let through at a time, "
+                                      "and successes in a row needed to be fully back")
 
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may finish")
     client_timeout: float = Field(60.0, gt=0, description="seconds a client may take to send its request "
@@ -171,6 +186,10 @@ class Settings(BaseSettings):
             return None
         return self.speculative_curve, self.baseline_curve
 
+    def outlier(self) -> OutlierConfig:
+        return OutlierConfig(self.eject_consecutive_errors, self.eject_base_seconds, self.eject_max_seconds,
+                             self.eject_trial_requests)
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if not self.speculative and not self.baseline:
@@ -180,6 +199,8 @@ class Settings(BaseSettings):
             raise ValueError(f"backend {sorted(both)[0]} is in both pools")
         if (self.metrics_host is None) != (self.metrics_port is None):
             raise ValueError("metrics_host and metrics_port go together")
+        if self.eject_max_seconds < self.eject_base_seconds:
+            raise ValueError("eject_max_seconds must be at least eject_base_seconds")
         if self.policy == "balanced" and self.curves() is None:
             raise ValueError("policy balanced needs speculative_curve and baseline_curve "
                              "(measured tok/s per instance; `python -m bench calibrate` prints both)")

@@ -2,14 +2,32 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import aiohttp
 
-from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamTimeout
+from router.errors import (
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamLocalError,
+    UpstreamTimeout,
+)
 from router.settings import Settings
 
 # Phases of an upstream exchange; a timeout's kind names the phase it hit.
 CONNECT, FIRST_BYTE, IDLE = "connect", "first_byte", "idle"
+# Connect errors that come from this host's own limits, whatever the backend's state.
+_LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL))
+
+
+def is_local(exc: BaseException) -> bool:
+    """A connect failure of ours (out of file descriptors, memory or ports; a DNS lookup), not the backend's."""
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return True
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return exc.os_error.errno in _LOCAL_ERRNOS
+    return False
 
 
 def make_session(settings: Settings) -> aiohttp.ClientSession:
@@ -32,6 +50,10 @@ def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool
     if isinstance(exc, TimeoutError):
         what = "first byte" if phase != IDLE else "next chunk"
         return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
+    if is_local(exc):
+        reason = exc.os_error.strerror if isinstance(exc, aiohttp.ClientConnectorError) else None
+        return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason or exc}",
+                                  backend=backend)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"cannot connect to backend {backend}: {exc.os_error.strerror or exc}",
                                     backend=backend)

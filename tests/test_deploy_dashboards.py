@@ -20,7 +20,8 @@ ROUTER_METRICS = {
     "router_inflight_requests", "router_requests_total", "router_route_decisions_total",
     "router_request_duration_seconds", "router_time_to_first_token_seconds", "router_inter_token_latency_seconds",
     "router_prompt_tokens_total", "router_completion_tokens_total", "router_backend_up", "router_threshold",
-    "router_upstream_errors_total", "router_client_disconnects_total",
+    "router_upstream_errors_total", "router_client_disconnects_total", "router_backend_state",
+    "router_backend_ejections_total",
 }
 SGLANG_REQUIRED = {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
                    "sglang:token_usage", "sglang:spec_accept_length"}

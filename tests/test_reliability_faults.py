@@ -10,7 +10,11 @@ from bench.stress import DISCONNECTED, EXPLICIT, OK, UNACCOUNTED, ClientTally, L
 from tests.fixtures_router import poll, set_faults, sim_stats, wait_stat
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3, "health_failure_threshold": 2,
-        "health_success_threshold": 2, "first_byte_timeout": 0.6, "idle_timeout": 0.6, "connect_timeout": 0.5}
+        "health_success_threshold": 2, "first_byte_timeout": 0.6, "idle_timeout": 0.6, "connect_timeout": 0.5,
+        "eject_base_seconds": 1.0, "eject_trial_requests": 4}
+# For the rows about what each request sees when ejection does not step in (tests/test_reliability_outlier.py
+# covers ejection itself).
+NO_EJECT = {"eject_consecutive_errors": 0}
 CLOSED = "SSE error event + [DONE]: backend B closed the connection"
 IDLE = "SSE error event + [DONE]: backend B sent no next chunk in time"
 
@@ -70,7 +74,7 @@ async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_fac
 
 
 async def test_hang_before_first_byte_is_504_then_failover_when_health_fails(sim_factory, router_factory):
-    spec, base, router = await stack(sim_factory, router_factory)
+    spec, base, router = await stack(sim_factory, router_factory, **NO_EJECT)
     await set_faults(spec.url, hang=True)
     tally = await load(router.url, 12, streams=6)
     # /health still says 200: every request gets an explicit 504 after first_byte_timeout, none is lost.
@@ -90,7 +94,8 @@ async def test_hang_before_first_byte_is_504_then_failover_when_health_fails(sim
 
 async def test_stall_mid_stream_is_an_sse_error_then_done_and_aborts(sim_factory, router_factory):
     # Slow clock and long answers: the engine is still generating when the router gives up on the stream.
-    spec, base, router = await stack(sim_factory, router_factory, spec_faults={"stall_after_chunks": 2}, speedup=2.0)
+    spec, base, router = await stack(sim_factory, router_factory, spec_faults={"stall_after_chunks": 2}, speedup=2.0,
+                                     **NO_EJECT)
     tally = await load(router.url, 10, streams=5, max_tokens=2000)
     assert dict(tally.seen) == {IDLE: 10}
     assert tally.outcomes[EXPLICIT] == 10
@@ -101,7 +106,8 @@ async def test_stall_mid_stream_is_an_sse_error_then_done_and_aborts(sim_factory
 
 
 async def test_500_passes_through_and_503_is_retried_on_the_other_pool(sim_factory, router_factory):
-    spec, base, router = await stack(sim_factory, router_factory, spec_faults={"error_rate": 1.0, "error_status": 500})
+    spec, base, router = await stack(sim_factory, router_factory, spec_faults={"error_rate": 1.0, "error_status": 500},
+                                     **NO_EJECT)
     tally = await load(router.url, 12, streams=6)
     assert dict(tally.seen) == {"HTTP 500": 12}
     await set_faults(spec.url, error_status=503)
@@ -109,7 +115,7 @@ async def test_500_passes_through_and_503_is_retried_on_the_other_pool(sim_facto
     assert dict(tally.seen) == {"complete": 12}
     assert router.metric("router_retries_total", pool="baseline") == 12
     assert (await sim_stats(base.url))["completed_total"] == 12
-    assert up(router, spec.url) == 1  # an error answer is not a reason to eject
+    assert up(router, spec.url) == 1  # ejection off: no error answer takes it out
     await idle_everywhere(router, spec, base)
 
 
@@ -118,10 +124,10 @@ async def test_refused_connections_fail_over_at_once_and_come_back(sim_factory, 
     await set_faults(spec.url, refuse_for=1.5)
     tally = await load(router.url, 16, streams=8)
     assert dict(tally.seen) == {"complete": 16}
-    assert up(router, spec.url) == 0  # ejected at the first refusal, before any probe
+    assert up(router, spec.url) == 0  # the first eight all refused: ejected (and the probes agree)
     spec_before = (await sim_stats(base.url))["completed_total"]
     assert spec_before == 16
-    # Listener back after 1.5 s: two good probes and it is routable again.
+    # Listener back after 1.5 s: the 1 s ejection is over, two good probes and it is routable again.
     assert await poll(lambda: up(router, spec.url) == 1, 5)
     tally = await load(router.url, 8, streams=4)
     assert dict(tally.seen) == {"complete": 8}

@@ -210,7 +210,7 @@ async def test_router_made_errors_are_counted_without_a_backend(guarded):
     assert router.metric("router_requests_total", pool="none", backend="none", code="404") == 1
     assert router.metric("router_requests_total", pool="none", backend="none", code="400") == 1
     await sim.stop_listener()
-    router.state.pools.backends[0].refused()
+    router.state.pools.backends[0].healthy = False  # as the probes would find it
     await call("POST", router.url + CHAT, data=json.dumps(CHAT_BODY).encode(), headers=AUTH)
     assert router.metric("router_requests_total", pool="none", backend="none", code="503") == 1
 

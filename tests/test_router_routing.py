@@ -97,17 +97,27 @@ async def test_failover_when_one_pool_is_down(sim_factory, router_factory):
             assert r.headers["X-Router-Pool"] == "speculative"
 
 
-async def test_refused_connection_is_retried_on_the_other_pool_and_ejects_at_once(sim_factory, router_factory):
+async def test_refused_connections_are_retried_on_the_other_pool_and_eject_when_consecutive(sim_factory,
+                                                                                         router_factory):
     spec = await sim_factory("eagle3-tp8")
     base = await sim_factory()
-    # Slow probes: the router only learns of the outage from the refused request itself.
-    router = await router_factory([spec.url], [base.url], threshold=100, health_interval=30)
+    # Slow probes: the router only learns of the outage from the refused requests themselves.
+    router = await router_factory([spec.url], [base.url], threshold=100, health_interval=30,
+                                  eject_consecutive_errors=3)
     await spec.stop_listener()
-    async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/chat/completions", json=CHAT_BODY) as r:
-        assert r.status == 200 and r.headers["X-Router-Pool"] == "baseline"
-    assert not router.state.pools.backends[0].healthy
-    assert router.metric("router_upstream_errors_total", backend=spec.url, kind="connect") == 1
-    assert router.metric("router_retries_total", pool="baseline") == 1
+    spec_backend = router.state.pools.backends[0]
+    async with aiohttp.ClientSession() as s:
+        for i in range(5):
+            async with s.post(router.url + "/v1/chat/completions", json=CHAT_BODY) as r:
+                assert r.status == 200 and r.headers["X-Router-Pool"] == "baseline"
+            # One refusal is not enough (a restart, a full accept queue): only the third in a row ejects.
+            assert spec_backend.state() == ("up" if i < 2 else "ejected")
+    assert spec_backend.healthy  # the probes have not spoken; the ejection is passive
+    assert router.metric("router_upstream_errors_total", backend=spec.url, kind="connect") == 3
+    assert router.metric("router_retries_total", pool="baseline") == 3
+    assert router.metric("router_backend_ejections_total", pool="speculative", backend=spec.url,
+                         reason="refused") == 1
+    assert router.metric("router_backend_up", pool="speculative", backend=spec.url) == 0
     assert router.inflight() == {spec.url: 0, base.url: 0}
 
 

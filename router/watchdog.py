@@ -1,0 +1,69 @@
+"""One timer per streamed exchange for its two deadlines: the backend's idle gap and the client's write stall."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+
+class Watchdog:
+    """Re-armed lazily, so the per-chunk cost is one float store (`last_chunk`), not a timer per read.
+
+    Idle: no upstream chunk for `idle` seconds -> the upstream reader gets a TimeoutError (mapped as idle_timeout
+    by router.upstream). Write stall: bytes wait for the client and it took none of them for `write_timeout`
+    seconds -> the client connection is aborted, which aiohttp turns into a client disconnect. A stall is noticed
+    between `write_timeout` and 1.5 x `write_timeout` after the client stopped reading.
+    """
+
+    __slots__ = ("_loop", "_idle", "_write_timeout", "_tick", "_transport", "_writer", "_resp", "_handle",
+                 "last_chunk", "_sent", "_sent_at", "stalled")
+
+    def __init__(self, idle: float, write_timeout: float, transport: asyncio.Transport,
+                 writer, resp: aiohttp.ClientResponse) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = idle
+        self._write_timeout = write_timeout
+        self._tick = write_timeout / 2
+        self._transport = transport
+        self._writer = writer
+        self._resp: aiohttp.ClientResponse | None = resp
+        now = time.monotonic()
+        self.last_chunk = now
+        self._sent = -1
+        self._sent_at = now
+        self.stalled = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(min(idle, self._tick), self._check)
+
+    def upstream_done(self) -> None:
+        """The backend's part is over: only the write deadline is left."""
+        self._resp = None
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        self._handle = None
+        now = time.monotonic()
+        wait = self._tick
+        if self._resp is not None:
+            quiet = now - self.last_chunk
+            if quiet >= self._idle:
+                self._resp.content.set_exception(TimeoutError())
+                self._resp = None
+            else:
+                wait = min(wait, self._idle - quiet)
+        pending = self._transport.get_write_buffer_size() if not self._transport.is_closing() else 0
+        if pending:
+            sent = self._writer.output_size - pending  # bytes the kernel has taken so far
+            if sent != self._sent:
+                self._sent, self._sent_at = sent, now
+            elif now - self._sent_at >= self._write_timeout:
+                self.stalled = True
+                self._transport.abort()
+                return
+        else:
+            self._sent_at = now
+        self._handle = self._loop.call_later(wait, self._check)
