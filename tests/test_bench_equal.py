@@ -67,7 +67,19 @@ def test_one_winner_everywhere_says_by_how_much():
     rows = equal.judge(results, ["split"], ["tp8"], gpus)
     assert equal.headline(rows, ["split"], ["tp8"], gpus) == (
         "verdict: tp8 wins on throughput at every level measured (1,10); the best router configuration "
-        "reaches 0.50-0.75x of its throughput (every deployment here uses 8 GPUs)")
+        "reaches 0.50-0.75x of its throughput there (every deployment here uses 8 GPUs)")
+
+
+def test_a_level_within_the_noise_band_is_a_tie():
+    results = {"global": [fig(1, 91.9, 1000), fig(10, 300, 3000)], "tp8": [fig(1, 91.8, 1000), fig(10, 450, 2500)]}
+    gpus = {"global": 8, "tp8": 8}
+    rows = equal.judge(results, ["global"], ["tp8"], gpus)
+    assert rows[0]["throughput_winner"] == "global"  # by 0.1%: not a win
+    lines = equal.verdict_lines(rows, ["global"], ["tp8"], gpus)
+    assert lines[0] == ("verdict: tp8 wins on throughput at every other level (10); a tie within the 3% noise band "
+                        "at c=1; the best router configuration reaches 0.67-0.67x of its throughput there "
+                        "(every deployment here uses 8 GPUs)")
+    assert lines[1].startswith("c=1: throughput: global and tp8 tie (1.00x, within the 3% noise band)")
 
 
 def test_unequal_hardware_is_said_in_the_same_line():
