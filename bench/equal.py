@@ -186,12 +186,14 @@ def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[s
     the GPU count of each, and how far the router's best configuration is from a reference that wins all."""
     by_winner: dict[str, list[int]] = {}
     ties: list[int] = []
+    tied: dict[tuple[str, str], list[int]] = {}
     for row in rows:
         if "throughput_winner" not in row:
             continue
         margin = row.get("throughput_margin")
         if margin and margin[1] < 1 + NOISE:
             ties.append(row["concurrency"])
+            tied.setdefault(tuple(sorted((row["throughput_winner"], margin[0]))), []).append(row["concurrency"])
         else:
             by_winner.setdefault(row["throughput_winner"], []).append(row["concurrency"])
     if not by_winner and not ties:
@@ -199,6 +201,10 @@ def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[s
     note = hardware_note(configs + refs, gpus)
     suffix = f" ({note})" if note else f" (every deployment here uses {gpus_label(gpus.get(configs[0]))})"
     tie_text = f"; a tie within the {NOISE:.0%} noise band at c={_levels(ties)}" if ties else ""
+    if not by_winner:
+        pairs = "; ".join(f"{a} and {b} at c={_levels(lv)}" for (a, b), lv in tied.items())
+        return (f"verdict: no deployment wins on throughput by more than the {NOISE:.0%} noise band at any level: "
+                f"{pairs}" + suffix)
     if len(by_winner) == 1:
         (w, levels), = by_winner.items()
         where = "at every level measured" if not ties else "at every other level"

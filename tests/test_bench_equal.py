@@ -80,6 +80,10 @@ def test_a_level_within_the_noise_band_is_a_tie():
                         "at c=1; the best router configuration reaches 0.67-0.67x of its throughput there "
                         "(every deployment here uses 8 GPUs)")
     assert lines[1].startswith("c=1: throughput: global and tp8 tie (1.00x, within the 3% noise band)")
+    rows = equal.judge({"global": [fig(1, 91.9, 1000)], "tp8": [fig(1, 91.8, 1000)]}, ["global"], ["tp8"], gpus)
+    assert equal.headline(rows, ["global"], ["tp8"], gpus) == (
+        "verdict: no deployment wins on throughput by more than the 3% noise band at any level: global and tp8 "
+        "at c=1 (every deployment here uses 8 GPUs)")
 
 
 def test_unequal_hardware_is_said_in_the_same_line():
