@@ -8,12 +8,15 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router import exchange, handlers
+from router import exchange, handlers, introspect, policy
 from router.accept import Acceptor, listen_socket
+from router.adaptive import Adaptive
+from router.curves import fit_token_time
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.loads import LoadPoller
 from router.metrics import Metrics
+from router.policy import Policy
 from router.pools import Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
@@ -26,9 +29,8 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
-    pools = Pools(settings.speculative, settings.baseline, policy=settings.policy, threshold=settings.threshold,
-                  hysteresis=settings.hysteresis, metrics=metrics, curves=settings.curves(),
-                  outlier_cfg=settings.outlier(),
+    pools = Pools(settings.speculative, settings.baseline, policy=make_policy(settings),
+                  threshold=settings.threshold, metrics=metrics, outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     st = RouterState(settings=settings, pools=pools, metrics=metrics,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
@@ -40,6 +42,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     _add(app, "GET", "/v1/models", handlers.models)
     _add(app, "GET", "/health", handlers.health)
     _add(app, "GET", "/ready", handlers.ready)
+    _add(app, "GET", "/router/state", introspect.state_handler)
     if settings.metrics_port is None:
         _add(app, "GET", "/metrics", handlers.metrics_handler(st))
     _add(app, "*", "/{tail:.*}", handlers.unrouted)
@@ -52,6 +55,19 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     if settings.metrics_port is not None:
         app.cleanup_ctx.append(_metrics_listener_ctx)
     return app
+
+
+def make_policy(settings: Settings) -> Policy:
+    """The routing policy object the settings name, built once."""
+    if settings.policy != "adaptive":
+        return policy.build(settings.policy, threshold=settings.threshold, hysteresis=settings.hysteresis,
+                            curves=settings.curves())
+    # Curves, when given, are priors: the model starts from them and then follows what it measures.
+    priors = {pool: fit_token_time(points) for pool, points in
+              (("speculative", settings.speculative_curve), ("baseline", settings.baseline_curve)) if points}
+    return Adaptive(objective=settings.objective, forgetting=settings.adaptive_forgetting,
+                    explore=settings.adaptive_explore, deadband=settings.adaptive_deadband,
+                    max_running=settings.adaptive_max_running, priors=priors)
 
 
 def _add(app: web.Application, method: str, path: str, handler) -> None:

@@ -60,7 +60,9 @@ async def count_rejections(request: web.Request,
 async def auth_middleware(request: web.Request,
                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     st = request.app[STATE]
-    if st.api_key is not None and request.path.startswith("/v1/") and request.match_info.http_exception is None:
+    # /router/ (the learned state) shows backend URLs and loads: as private as the API itself.
+    if (st.api_key is not None and request.path.startswith(("/v1/", "/router/"))
+            and request.match_info.http_exception is None):
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         # compare_digest: the time taken does not depend on how much of the key matched.

@@ -7,6 +7,7 @@ import logging
 import aiohttp
 
 from router.metrics import Metrics
+from router.observe import LoadFigures
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.tasks import cancel
@@ -14,20 +15,38 @@ from router.tasks import cancel
 log = logging.getLogger("router.loads")
 
 
-def parse_loads(doc: object) -> int | None:
-    """running + waiting requests summed over data-parallel ranks; None if the document is not usable."""
+def parse_figures(doc: object) -> LoadFigures | None:
+    """SGLang's /v1/loads summed over data-parallel ranks (accept length: their mean); None if not usable."""
     loads = doc.get("loads") if isinstance(doc, dict) else None
     if not isinstance(loads, list) or not loads:
         return None
-    total = 0
+    running = waiting = limit = 0
+    gen: float | None = None
+    accepts: list[float] = []
     for entry in loads:
         if not isinstance(entry, dict):
             return None
-        running, waiting = entry.get("num_running_reqs"), entry.get("num_waiting_reqs", 0)
-        if not isinstance(running, int) or not isinstance(waiting, int):
+        r, w = entry.get("num_running_reqs"), entry.get("num_waiting_reqs", 0)
+        if not isinstance(r, int) or not isinstance(w, int):
             return None
-        total += running + waiting
-    return total
+        running, waiting = running + r, waiting + w
+        # The learning figures are optional: a backend without them still gives its load.
+        g = entry.get("gen_throughput")
+        if isinstance(g, (int, float)) and g >= 0:
+            gen = (gen or 0.0) + g
+        m = entry.get("max_running_requests")
+        limit = limit + m if isinstance(m, int) and m > 0 and limit is not None else None
+        spec = entry.get("speculative")
+        a = spec.get("accept_length") if isinstance(spec, dict) else None
+        if isinstance(a, (int, float)) and a > 0:
+            accepts.append(float(a))
+    return LoadFigures(running, waiting, gen, sum(accepts) / len(accepts) if accepts else None, limit or None)
+
+
+def parse_loads(doc: object) -> int | None:
+    """running + waiting requests summed over data-parallel ranks; None if the document is not usable."""
+    figs = parse_figures(doc)
+    return None if figs is None else figs.running + figs.waiting
 
 
 class LoadPoller:
@@ -42,17 +61,20 @@ class LoadPoller:
 
     async def poll(self, b: Backend) -> None:
         headers = b.auth_headers
-        load = None
+        figs = None
         try:
             async with asyncio.timeout(self.settings.health_timeout):
-                async with self.session.get(b.url + "/v1/loads", params={"include": "core"},
+                async with self.session.get(b.url + "/v1/loads", params={"include": "core,spec"},
                                             headers=headers) as resp:
                     if resp.status == 200:
-                        load = parse_loads(await resp.json(content_type=None))
+                        figs = parse_figures(await resp.json(content_type=None))
         except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError):
-            load = None
+            figs = None
+        load = None if figs is None else figs.running + figs.waiting
         # Without a fresh figure fall back to our own counts rather than trust a stale one.
         b.report(load)
+        if figs is not None:
+            self.pools.report_loads(b, figs)
         self.metrics.reported_load.labels(b.pool, b.url).set(-1 if load is None else load)
 
     async def run_round(self) -> None:

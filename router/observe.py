@@ -38,3 +38,14 @@ class Observation:
     completion_tokens: int | None
     chunks: int
     ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFigures:
+    """What one /v1/loads answer says about a backend (summed over data-parallel ranks)."""
+
+    running: int
+    waiting: int
+    gen_throughput: float | None = None  # output tok/s of the whole server
+    accept_length: float | None = None  # mean accepted tokens per speculative step
+    max_running: int | None = None  # SGLang's max_running_requests: beyond it requests wait

@@ -7,9 +7,10 @@ import time
 from collections.abc import Iterable
 
 from router import outlier
+from router.adaptive import Adaptive
 from router.curves import CurvePoints
 from router.metrics import Metrics
-from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, Observation
+from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
 from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
 
@@ -168,6 +169,8 @@ class Pools:
         for pool in POOLS:
             metrics.duration.labels(pool)
             metrics.disconnects.labels(pool)
+        if isinstance(self.policy, Adaptive):
+            metrics.bind_adaptive(self.policy, self.view)
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -246,3 +249,10 @@ class Pools:
 
     def report_done(self, backend: Backend, obs: Observation) -> None:
         """Called once per finished exchange, just before its lease is released."""
+        if isinstance(self.policy, Adaptive):
+            self.policy.observe(obs)
+
+    def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
+        """Called with each /v1/loads answer of a backend (load_signal backend)."""
+        if isinstance(self.policy, Adaptive):
+            self.policy.observe_loads(backend.url, backend.pool, figs)

@@ -13,8 +13,8 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from router.outlier import OutlierConfig
 
-PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced"]
-POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced")
+PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive"]
+POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive")
 ENV_PREFIX = "ROUTER_"
 
 
@@ -112,6 +112,22 @@ class Settings(BaseSettings):
         "\"1:77.5,2:125.1,...\" (YAML: list of [c, tok_s]); `python -m bench calibrate` prints it")
     baseline_curve: CurveSetting = Field(
         None, description="balanced policy: the same for ONE baseline instance")
+
+    objective: Literal["throughput", "latency"] = Field(
+        "throughput", description="adaptive policy: throughput (equal marginal gains: most tok/s in total) or "
+        "latency (each request where it alone would be fastest, the balanced rule)")
+    adaptive_forgetting: float = Field(
+        0.99, gt=0.5, le=1.0, description="adaptive policy: weight kept by the past at each sample "
+        "(0.99: about the last 100 samples count; 1: never forget)")
+    adaptive_explore: float = Field(
+        0.03, ge=0.0, le=0.5, description="adaptive policy: share of decisions that may go to the other pool "
+        "to keep its model fresh, only where that costs little")
+    adaptive_deadband: float = Field(
+        0.03, ge=0.0, lt=1.0, description="adaptive policy: relative change of a fitted model before routing "
+        "follows it (keeps noise from flipping decisions)")
+    adaptive_max_running: int | None = Field(
+        None, ge=1, description="adaptive policy: requests one backend runs at once (SGLang "
+        "max_running_requests); beyond it requests queue. Default: learned from /v1/loads, else unbounded")
 
     load_signal: Literal["local", "backend"] = Field(
         "local", description="local: this router's own in-flight counts; backend: also poll each backend's "

@@ -32,6 +32,7 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 # Stands in for Grafana's $__rate_interval: wide enough to cover the whole short load run.
 RATE_WINDOW = "1m"
+ADAPTIVE = "router_adaptive_"  # series only the adaptive policy exports
 SCRAPE_SECONDS = 1.0
 PHASE_SECONDS = 8.0
 MAX_LOAD_SECONDS = 45.0
@@ -284,6 +285,8 @@ async def test_every_dashboard_query_returns_data(sim_factory, router_factory, t
         names = set(await prom.get("/api/v1/label/__name__/values"))
         dead: list[str] = []
         for dash, title, expr in dashboard_queries():
+            if ADAPTIVE in expr:
+                continue  # the Learned model row: test_learned_model_panels_return_data, under the adaptive policy
             missing = series_names(expr) - names
             if missing:
                 dead.append(f"{dash} / {title}: no series named {sorted(missing)}")
@@ -305,3 +308,51 @@ async def test_every_dashboard_query_returns_data(sim_factory, router_factory, t
         assert sum(finite(share)) == pytest.approx(1.0)
         pools = {s["metric"]["pool"] for s in await prom.query("sglang:num_running_reqs")}
         assert pools == {"speculative", "baseline"}, "the shipped config labels each SGLang target with its pool"
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (scripts/install.sh installs it)")
+async def test_learned_model_panels_return_data(sim_factory, router_factory, tmp_path: Path) -> None:
+    spec = await sim_factory("eagle3-tp8", speedup=20.0)
+    base = await sim_factory("baseline-tp8", speedup=20.0)
+    router = await router_factory(speculative=[spec.url], baseline=[base.url], policy="adaptive",
+                                  load_signal="backend", load_interval=0.2)
+    addr = {u: u.removeprefix("http://") for u in (router.url, spec.url, base.url)}
+    config = live_config({"router:8000": addr[router.url], "sglang-speculative:30000": addr[spec.url],
+                          "sglang-baseline:30000": addr[base.url]})
+    async with run_prometheus(config, tmp_path) as prom_url, aiohttp.ClientSession() as http:
+        prom = Prom(http, prom_url)
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=30) as client:
+
+            async def one() -> None:
+                stream = await client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": "Write a python function."}],
+                    max_tokens=40, stream=True)
+                async for _ in stream:
+                    pass
+
+            for _ in range(6):  # bounded: 6 rounds of 4 concurrent streams, and the scrapes in between
+                await asyncio.gather(*(one() for _ in range(4)))
+                await asyncio.sleep(0.5)
+        assert await router.wait_idle() == dict.fromkeys(router.inflight(), 0)
+        values = {"instance": regex_of([addr[router.url]]), "__rate_interval": RATE_WINDOW}
+        learned = [(t, e) for d, t, e in dashboard_queries() if d == "router.json" and ADAPTIVE in e]
+        assert len(learned) >= 4
+        dead = []
+        for title, expr in learned:
+            ok = await poll_async(lambda expr=expr: prom.query(substitute(expr, values)), 15.0)
+            if not ok:
+                dead.append(f"{title}: no data for {expr}")
+        assert not dead, "dead panels:\n" + "\n".join(dead)
+
+
+async def poll_async(query, within: float) -> bool:
+    """Re-run a Prometheus query until it returns finite data (a scrape may not have happened yet); bounded."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        if finite(await query()):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.5)

@@ -1,0 +1,227 @@
+"""The adaptive policy: learns each pool's (and instance's) speed online and routes on the learned models."""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from router.observe import LoadFigures, Observation
+from router.policy import (
+    BASELINE,
+    EXPLORE,
+    GAIN,
+    SPECULATIVE,
+    BackendView,
+    Decision,
+    View,
+    healthy,
+    other,
+    sole_pool,
+)
+from router.speedmodel import NEUTRAL, Params, SpeedModel
+
+OBJECTIVES = ("throughput", "latency")
+# An instance routes on its own model once it has this many samples; before, on its pool's.
+MIN_INSTANCE_SAMPLES = 20
+# A pool with fewer samples than this and no prior borrows the other pool's model.
+MIN_POOL_SAMPLES = 3
+# Exploration never picks a backend whose score is below this fraction of the best one's.
+EXPLORE_FLOOR = 0.7
+# A relative change of the reported accept length beyond this rescales the model at once.
+ACCEPT_JUMP = 0.08
+
+
+class Adaptive:
+    """Route on speed models fitted online (router.speedmodel), one per pool and one per instance.
+
+    objective "throughput": the backend whose throughput gains most from one more request (equal marginal
+    gains across pools is the system optimum); "latency": the backend where this request would be fastest
+    (the balanced policy's rule). The models feed on finished exchanges (report_done) and, with load_signal
+    backend, on /v1/loads figures. Routing uses a published copy of each model that moves only when the fit
+    moved by more than `deadband`, so noise cannot flip decisions back and forth."""
+
+    name = "adaptive"
+
+    def __init__(self, *, objective: str = "throughput", forgetting: float = 0.99, explore: float = 0.03,
+                 deadband: float = 0.03, max_running: int | None = None,
+                 priors: Mapping[str, tuple[float, float]] | None = None) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}")
+        self.objective = objective
+        self.forgetting = forgetting
+        self.explore = explore
+        self.deadband = deadband
+        self.max_running = max_running
+        self.priors = dict(priors or {})
+        self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
+        self.published: dict[str, Params] = {}
+        self.accept: dict[str, float] = {}  # accept length each backend last reported
+        self.samples: dict[tuple[str, str], int] = {}  # (pool, source) -> samples folded in
+        self.decisions = 0
+        self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
+        # Explore a pool that has had no sample for this many decisions even where it costs more.
+        self.stale_after = int(10 / explore) if explore > 0 else 0
+
+    # ---- models
+    def model(self, key: str, pool: str) -> SpeedModel:
+        m = self.models.get(key)
+        if m is None:
+            m = self.models[key] = SpeedModel(self.forgetting, self.priors.get(pool))
+            m.max_running = self.max_running
+            self.published[key] = m.params()
+        return m
+
+    def params(self, b: BackendView) -> Params:
+        """The published model a decision uses for backend b: its own once it has enough samples."""
+        m = self.models.get(b.url)
+        if m is not None and m.samples >= MIN_INSTANCE_SAMPLES:
+            return self.published[b.url]
+        pm = self.model(b.pool, b.pool)
+        if pm.samples < MIN_POOL_SAMPLES and b.pool not in self.priors:
+            # Knowing nothing of this pool, assume it is like the other one (or both neutral while neither is
+            # known): the decision is then by load alone until this pool has been measured.
+            o = other(b.pool)
+            om = self.models.get(o)
+            known = om is not None and (om.samples >= MIN_POOL_SAMPLES or o in self.priors)
+            src = self.published[o] if known else Params(*NEUTRAL)
+            return Params(src.alpha, src.beta, pm.max_running)
+        return self.published[b.pool]
+
+    def _fold(self, pool: str, url: str, n: float, y: float, source: str) -> None:
+        for key in (url, pool):
+            m = self.model(key, pool)
+            m.update(n, y)
+            self._publish(key, m, n)
+        self.samples[(pool, source)] = self.samples.get((pool, source), 0) + 1
+        self.last_seen[pool] = self.decisions
+
+    def _publish(self, key: str, m: SpeedModel, n: float) -> None:
+        new, old = m.params(), self.published[key]
+        # Follow the fit only when it moved by more than its own wobble (3 sigma) and the deadband.
+        band = max(self.deadband, 3 * m.noise())
+        for at in (1.0, max(1.0, n)):
+            if abs(new.throughput(at) - old.throughput(at)) > band * old.throughput(at):
+                self.published[key] = new
+                return
+        if new.max_running != old.max_running:
+            self.published[key] = new
+
+    def observe(self, obs: Observation) -> None:
+        """One finished exchange: seconds per token while it decoded, against the requests running then."""
+        tokens = obs.completion_tokens
+        if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
+            return
+        if obs.ttft_s is not None and obs.chunks >= 2:
+            # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
+            decode = obs.duration_s - obs.ttft_s
+            y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
+        else:
+            y = obs.duration_s / tokens
+        if y <= 0:
+            return
+        n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
+        m = self.models.get(obs.url)
+        limit = m.max_running if m is not None else self.max_running
+        if limit is not None:
+            n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
+        self._fold(obs.pool, obs.url, n, y, "request")
+
+    def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
+        """One /v1/loads answer of a backend: the server's own throughput at its own running count."""
+        limit = figs.max_running if self.max_running is None else self.max_running
+        for key in (url, pool):
+            m = self.model(key, pool)
+            if limit is not None and m.max_running != limit:
+                m.max_running = limit
+                self._publish(key, m, 1.0)
+        if figs.accept_length is not None and figs.accept_length > 0:
+            before = self.accept.get(url)
+            self.accept[url] = figs.accept_length
+            if before is not None and abs(figs.accept_length - before) > ACCEPT_JUMP * before:
+                # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
+                for key in (url, pool):
+                    m = self.model(key, pool)
+                    m.rescale(before / figs.accept_length)
+                    self.published[key] = m.params()
+        if figs.running >= 1 and figs.gen_throughput is not None and figs.gen_throughput > 0:
+            self._fold(pool, url, float(figs.running), figs.running / figs.gen_throughput, "loads")
+
+    # ---- decisions
+    def score(self, b: BackendView) -> tuple[float, float]:
+        p, n = self.params(b), b.load_estimate
+        speed = p.request_speed(n)
+        if self.objective == "latency":
+            return speed, 0.0
+        # Once every candidate queues, marginal gains are all 0: the per-request speed splits the queue.
+        return p.marginal_gain(n), speed
+
+    def _samples(self, pool: str) -> int:
+        m = self.models.get(pool)
+        return 0 if m is None else m.samples
+
+    def _best(self, cands: list[BackendView], rng: random.Random) -> tuple[tuple[float, float], BackendView]:
+        if len(cands) == 1:
+            return self.score(cands[0]), cands[0]
+        scored = [(self.score(b), b) for b in cands]
+        top = max(sc for sc, _ in scored)
+        # Random among equals, as least-inflight does: equal instances at equal loads share the work.
+        return top, rng.choice([b for sc, b in scored if sc == top])
+
+    def decide(self, view: View, rng: random.Random) -> Decision | None:
+        self.decisions += 1
+        spec, base = healthy(view.speculative), healthy(view.baseline)
+        if not spec or not base:
+            return sole_pool(view, bool(spec), rng, GAIN)
+        s_score, s_b = self._best(spec, rng)
+        b_score, b_b = self._best(base, rng)
+        if s_score == b_score:
+            # A tie (in practice: nothing learned yet) goes to the less measured pool, then to speculative.
+            spec_first = self._samples(SPECULATIVE) <= self._samples(BASELINE)
+        else:
+            spec_first = s_score > b_score
+        pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
+        if self.explore > 0 and rng.random() < self.explore:
+            top, low = max(s_score, b_score)[0], min(s_score, b_score)[0]
+            stale = self.decisions - self.last_seen.get(alt.pool, 0) > self.stale_after
+            if low >= EXPLORE_FLOOR * top or stale:
+                return Decision(alt, EXPLORE)
+        return Decision(pick, GAIN)
+
+    # ---- what it learned, for /router/state and the metrics
+    def predicted(self, backends: tuple[BackendView, ...]) -> float:
+        """Tok/s the models predict for these backends at their current loads."""
+        return sum(self.params(b).throughput(b.load_estimate) for b in backends)
+
+    def accept_length(self, backends: tuple[BackendView, ...]) -> float:
+        """Mean accept length these backends last reported (0 when none did)."""
+        got = [self.accept[b.url] for b in backends if b.url in self.accept]
+        return sum(got) / len(got) if got else 0.0
+
+    def pool_model(self, pool: str) -> SpeedModel:
+        return self.model(pool, pool)
+
+    def state(self, view: View) -> dict:
+        def describe(key: str, pool: str) -> dict:
+            m, pub = self.model(key, pool), self.published[key]
+            fit = m.params()
+            return {"alpha_s": fit.alpha, "beta_s": fit.beta, "max_running": fit.max_running,
+                    "samples": m.samples, "error": round(m.err, 4),
+                    "published": {"alpha_s": pub.alpha, "beta_s": pub.beta},
+                    "tok_s_alone": round(fit.throughput(1), 1),
+                    "tok_s_saturated": round(fit.throughput(fit.max_running or 10**6), 1)}
+
+        pools = {}
+        for pool in (SPECULATIVE, BASELINE):
+            members = view.pool(pool)
+            if not members:
+                continue
+            pools[pool] = describe(pool, pool) | {
+                "predicted_tok_s": round(self.predicted(members), 1),
+                "samples_by_source": {src: self.samples.get((pool, src), 0) for src in ("request", "loads")}}
+        backends = [describe(b.url, b.pool) | {
+            "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
+            "accept_length": self.accept.get(b.url),
+            "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
+            "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
+        return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
+                "explore": self.explore, "deadband": self.deadband, "decisions": self.decisions,
+                "pools": pools, "backends": backends}

@@ -1,0 +1,20 @@
+"""GET /router/state: what the router knows of its backends and what its policy has learned, as JSON."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.adaptive import Adaptive
+from router.state import STATE
+
+
+async def state_handler(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    pools = st.pools
+    policy = pools.policy
+    backends = [{"url": b.url, "pool": b.pool, "healthy": b.healthy, "routable": b.routable,
+                 "inflight": b.inflight,
+                 "reported_load": b.reported, "load": b.load_estimate} for b in pools.backends]
+    body: dict = {"policy": policy.name, "backends": backends}
+    if isinstance(policy, Adaptive):
+        body["model"] = policy.state(pools.view)
+    return web.json_response(body)

@@ -1,0 +1,173 @@
+"""An online speed model of one server: seconds per token per request t(n) = alpha + beta*n, robust and forgetting."""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+# Until a model has seen this much, its figures are the prior's (or a neutral guess).
+NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
+MIN_ALPHA = 1e-5
+N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its scale
+WINDOW = 256  # samples kept; older ones have faded anyway (0.99^256 < 8%)
+REFIT_EVERY = 4  # once warm, refit every few samples: the fit costs ~0.2 ms, the hot path must not pay it each time
+HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """A fitted model: X(n) = m / (alpha + beta*m) tok/s with m = min(n, max_running) running requests
+    (beyond max_running requests wait in the server's queue and add no throughput)."""
+
+    alpha: float  # seconds per token of a request running alone
+    beta: float  # seconds per token added by each other running request
+    max_running: int | None = None
+
+    def running(self, n: float) -> float:
+        return n if self.max_running is None else min(n, float(self.max_running))
+
+    def token_time(self, n: float) -> float:
+        return self.alpha + self.beta * max(n, 1.0)
+
+    def throughput(self, n: float) -> float:
+        """Output tok/s of the server with n requests in flight."""
+        m = self.running(n)
+        return 0.0 if m <= 0 else m / self.token_time(m)
+
+    def request_speed(self, n: int) -> float:
+        """Tok/s a new request gets on a server already holding n: X(n+1)/(n+1), falls as 1/n once queued."""
+        return self.throughput(n + 1) / (n + 1)
+
+    def marginal_gain(self, n: int) -> float:
+        """Tok/s the server gains from one more request: X(n+1) - X(n); 0 once it queues."""
+        return self.throughput(n + 1) - self.throughput(n)
+
+
+class SpeedModel:
+    """Weighted least squares of y = alpha + beta*n over the last WINDOW samples (n running, y seconds per
+    token per request), on relative errors (a request at high load weighs as much as one alone), with
+    weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
+    requests and hiccups do not drag the fit (refitted a few times from the last fit: IRLS). A prior
+    (from a calibration curve) counts as `prior_weight` samples and fades like one."""
+
+    __slots__ = ("forgetting", "theta", "prior", "prior_weight", "buf", "samples", "err", "scale", "max_running",
+                 "last_error", "_since_fit")
+
+    def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
+                 prior_weight: float = 20.0) -> None:
+        self.forgetting = forgetting
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.theta = list(prior if prior is not None else NEUTRAL)
+        self.buf: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self.samples = 0
+        self.err = 0.0  # EWMA of |relative error| of the prediction made before each sample
+        self.last_error = 0.0
+        self.scale = 0.0  # robust standard deviation of log(measured / predicted) at the last fit
+        self.max_running: int | None = None
+        self._since_fit = 0
+
+    def params(self) -> Params:
+        a, b = self.theta
+        return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running)
+
+    def predict(self, n: float) -> float:
+        return self.params().token_time(n)
+
+    def update(self, n: float, y: float, weight: float = 1.0) -> float:
+        """Fold in one sample: n requests running (>= 1), y seconds per token per request. Returns the
+        relative error the model had on it before the update."""
+        if not (n >= 1 and y > 0 and math.isfinite(y) and math.isfinite(n)):
+            return 0.0
+        rel = abs(self.predict(n) - y) / y
+        self.last_error = rel
+        gain = 0.05 if self.samples >= 20 else 1.0 / (self.samples + 1)
+        self.err += gain * (min(rel, 1.0) - self.err)
+        self.buf.append((float(n), y))
+        self.samples += 1
+        self._since_fit += 1
+        if self.samples <= 32 or self._since_fit >= REFIT_EVERY:
+            self.fit()
+        return rel
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        data = list(self.buf)
+        m = len(data)
+        lam = self.forgetting
+        ages = [lam ** (m - 1 - i) for i in range(m)]
+        a, b = self.theta
+        for _ in range(3):
+            preds = [max(a + b * n, MIN_ALPHA) for n, _ in data]
+            lrs = [math.log(y / p) for (_, y), p in zip(data, preds, strict=True)]
+            med = sorted(lrs)[m // 2]
+            mad = sorted(abs(x - med) for x in lrs)[m // 2]
+            s = max(1.4826 * mad, 0.02)
+            # Normal equations of sum w (y - a - b n)^2 with w = age * huber / y_hat^2 (relative errors).
+            s00 = s01 = s11 = t0 = t1 = 0.0
+            ws = []
+            for (n, y), p, lr, age in zip(data, preds, lrs, ages, strict=True):
+                w = age / (p * p)
+                # Around the median, not 0: when the fit is far off (a first sample that was an outlier), the
+                # bulk of the samples still agree with each other and the strays are the ones left out.
+                dev = abs(lr - med)
+                if dev > HUBER * s:
+                    w *= (HUBER * s / dev) ** 2
+                ws.append(w)
+                s00 += w
+                s01 += w * n
+                s11 += w * n * n
+                t0 += w * y
+                t1 += w * n * y
+            if self.prior is not None:
+                # The prior as pseudo-samples at n=1 and n=N_REF, fading as the data comes in.
+                pa, pb = self.prior
+                wp = self.prior_weight * lam ** self.samples / 2
+                for n in (1.0, N_REF):
+                    yp = pa + pb * n
+                    w = wp / (yp * yp)
+                    s00 += w
+                    s01 += w * n
+                    s11 += w * n * n
+                    t0 += w * yp
+                    t1 += w * n * yp
+            det = s00 * s11 - s01 * s01
+            if det > 1e-9 * s00 * s11 and det > 0:
+                a, b = (s11 * t0 - s01 * t1) / det, (s00 * t1 - s01 * t0) / det
+            else:
+                # One load level only: the slope is not identified; keep the prior's (or the neutral) shape,
+                # b/a, and fit the level: y = a (1 + r n).
+                pa, pb = self.prior if self.prior is not None else NEUTRAL
+                r = pb / pa
+                num = sum(w_i * y * (1 + r * n) for (n, y), w_i in zip(data, ws, strict=True))
+                den = sum(w_i * (1 + r * n) ** 2 for (n, _), w_i in zip(data, ws, strict=True))
+                a = num / den if den > 0 else a
+                b = r * a
+            if b < 0:
+                # A flat or falling curve is noise: no slope, the weighted mean level.
+                b = 0.0
+                a = t0 / s00
+            a = max(a, MIN_ALPHA)
+        self.theta = [a, b]
+        self.scale = s
+
+    def rescale(self, factor: float) -> None:
+        """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples
+        held included, so the next fit starts from the new level rather than averaging the old one in."""
+        if factor > 0 and factor != 1.0:
+            self.theta = [self.theta[0] * factor, self.theta[1] * factor]
+            self.buf = deque(((n, y * factor) for n, y in self.buf), maxlen=WINDOW)
+            if self.prior is not None:
+                self.prior = (self.prior[0] * factor, self.prior[1] * factor)
+
+    def noise(self) -> float:
+        """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
+        lam = self.forgetting
+        eff = min(len(self.buf), (1 + lam) / (1 - lam) if lam < 1 else WINDOW)
+        return self.scale / math.sqrt(eff) if eff > 0 else 0.0
+
+    def update_throughput(self, running: int, tok_s: float, weight: float = 1.0) -> float:
+        """A whole-server figure (SGLang's gen_throughput with `running` requests): y = running / tok_s."""
+        if running < 1 or not tok_s > 0:
+            return 0.0
+        return self.update(running, running / tok_s, weight)

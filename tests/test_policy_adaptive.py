@@ -1,0 +1,350 @@
+"""The adaptive policy: its speed model as pure functions with tables, its decisions, and the router around it."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import aiohttp
+import openai
+import pytest
+
+from router.adaptive import Adaptive
+from router.loads import parse_figures
+from router.observe import LoadFigures, Observation
+from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
+from router.pools import Pools
+from router.speedmodel import Params, SpeedModel
+
+S1, S2, B1 = "http://s1:1", "http://s2:1", "http://b1:1"
+# Seconds per token per request at n running, alpha + beta*n, near the shipped TP8 profiles' curves.
+SEED_BASE = (0.0097, 0.00115)  # ~93 tok/s alone, ~870 at 250
+SEED_SPEC = (0.0118, 0.00245)  # slower alone and at load
+GOOD_SPEC = (0.0052, 0.0016)  # ~150 tok/s alone, but saturates lower than the baseline
+
+
+def truth(ab, n):
+    return ab[0] + ab[1] * n
+
+
+def tput(ab, n):
+    return n / truth(ab, n)
+
+
+def feed(model: SpeedModel, ab, count: int, rng: random.Random, noise=0.2, outliers=0.0, max_n=60):
+    for _ in range(count):
+        n = rng.randint(1, max_n)
+        y = truth(ab, n) * max(0.05, 1 + rng.gauss(0, noise))
+        if rng.random() < outliers:
+            y *= 20  # a stalled request, a GC pause, a slow client
+        model.update(n, y)
+
+
+# ---------------------------------------------------------------- the model, pure
+
+@pytest.mark.parametrize(("ab", "noise"), [(SEED_BASE, 0.05), (SEED_BASE, 0.3), (SEED_SPEC, 0.2),
+                                           (GOOD_SPEC, 0.2), ((0.02, 0.0), 0.1)])
+def test_model_converges_on_synthetic_data(ab, noise):
+    rng = random.Random(5)
+    m = SpeedModel(0.99)
+    feed(m, ab, 400, rng, noise)
+    for n in (1, 10, 50):
+        assert m.params().throughput(n) == pytest.approx(tput(ab, n), rel=0.1), n
+    assert m.err < 1.5 * noise + 0.02  # the error it reports is the noise it saw
+
+
+@pytest.mark.parametrize("factor", [1.6, 0.6])
+def test_model_follows_a_step_change(factor):
+    rng = random.Random(9)
+    m = SpeedModel(0.99)
+    feed(m, SEED_BASE, 400, rng)
+    after = (SEED_BASE[0] * factor, SEED_BASE[1] * factor)  # e.g. the accept length fell by 1/factor
+    feed(m, after, 400, rng)
+    for n in (1, 10, 50):
+        assert m.params().throughput(n) == pytest.approx(tput(after, n), rel=0.1), n
+
+
+def test_forgetting_sets_how_fast_it_follows():
+    after = (SEED_BASE[0] * 1.6, SEED_BASE[1] * 1.6)
+    fitted = {}
+    for lam in (0.99, 0.999):
+        rng = random.Random(9)
+        m = SpeedModel(lam)
+        feed(m, SEED_BASE, 400, rng)
+        feed(m, after, 100, rng)
+        fitted[lam] = m.params().throughput(10)
+    want = tput(after, 10)
+    assert abs(fitted[0.99] - want) < 0.7 * abs(fitted[0.999] - want)  # 0.999: still mostly the old regime
+
+
+def test_model_ignores_outliers():
+    rng = random.Random(2)
+    robust = SpeedModel(0.99)
+    feed(robust, SEED_BASE, 400, rng, noise=0.05, outliers=0.1)
+    for n in (1, 10, 50):
+        assert robust.params().throughput(n) == pytest.approx(tput(SEED_BASE, n), rel=0.1), n
+
+
+def test_model_seen_at_one_load_stays_bounded():
+    # Only n=1 for a long time: the slope is not identified, the fit must still predict n=1 and stay finite.
+    m = SpeedModel(0.99)
+    rng = random.Random(4)
+    for _ in range(3000):
+        m.update(1, truth(SEED_BASE, 1) * (1 + rng.gauss(0, 0.1)))
+    assert m.params().throughput(1) == pytest.approx(tput(SEED_BASE, 1), rel=0.05)
+    assert m.params().throughput(100) < 1e4  # the slope keeps its neutral guess, nothing blows up
+
+
+@pytest.mark.parametrize(("n", "y"), [(0, 0.01), (3, 0.0), (3, -1.0), (3, float("nan")), (float("inf"), 0.01)])
+def test_model_rejects_unusable_samples(n, y):
+    m = SpeedModel()
+    before = m.params()
+    assert m.update(n, y) == 0.0
+    assert (m.params(), m.samples) == (before, 0)
+
+
+def test_prior_from_a_curve_and_queueing():
+    m = SpeedModel(prior=SEED_BASE)
+    assert m.params().throughput(30) == pytest.approx(tput(SEED_BASE, 30))
+    p = Params(*SEED_BASE, max_running=8)
+    assert p.throughput(100) == p.throughput(8)  # beyond max_running requests wait
+    assert p.marginal_gain(8) == 0.0 and p.marginal_gain(7) > 0
+    assert p.request_speed(99) == pytest.approx(p.throughput(8) / 100)  # the queue: falls as 1/n
+
+
+# ---------------------------------------------------------------- decisions
+
+def view(s1=0, b1=0, *, s2=None, s1_up=True, b1_up=True):
+    loads = [BackendLoad(S1, "speculative", s1, s1_up), BackendLoad(B1, "baseline", b1, b1_up)]
+    if s2 is not None:
+        loads.append(BackendLoad(S2, "speculative", s2, True))
+    return View.of(loads)
+
+
+def trained(spec=GOOD_SPEC, base=SEED_BASE, **kw) -> Adaptive:
+    kw.setdefault("explore", 0.0)
+    return Adaptive(priors={"speculative": spec, "baseline": base}, **kw)
+
+
+DECISIONS = [
+    # (objective, spec model, loads, pool, reason)
+    ("throughput", GOOD_SPEC, view(0, 0), "speculative", GAIN),  # faster alone
+    ("throughput", SEED_SPEC, view(0, 0), "baseline", GAIN),
+    ("throughput", GOOD_SPEC, view(30, 0), "baseline", GAIN),
+    ("latency", GOOD_SPEC, view(0, 0), "speculative", GAIN),
+    ("throughput", GOOD_SPEC, view(0, 0, s1_up=False), "baseline", FAILOVER),
+    ("latency", SEED_SPEC, view(0, 0, b1_up=False), "speculative", FAILOVER),
+    ("throughput", GOOD_SPEC, view(5, 0, s2=0), "speculative", GAIN),  # the emptier instance
+]
+
+
+@pytest.mark.parametrize(("objective", "spec", "loads", "pool", "reason"), DECISIONS)
+def test_adaptive_decisions(objective, spec, loads, pool, reason):
+    d = decide(trained(spec, objective=objective), loads, None, random.Random(1))
+    assert (d.pool, d.reason) == (pool, reason)
+    if len(loads.speculative) == 2:
+        assert d.url == S2
+
+
+def test_pinned_wins_over_adaptive():
+    d = decide(trained(), view(0, 0), "baseline", random.Random(1))
+    assert (d.pool, d.reason) == ("baseline", PINNED)
+
+
+def place(policy: Adaptive, c: int) -> int:
+    """Place c requests one by one (closed loop, nothing finishes); returns how many went speculative."""
+    n = {"speculative": 0, "baseline": 0}
+    rng = random.Random(0)
+    for _ in range(c):
+        n[decide(policy, view(n["speculative"], n["baseline"]), None, rng).pool] += 1
+    return n["speculative"]
+
+
+@pytest.mark.parametrize("c", [1, 2, 5, 10, 30, 70, 100, 250])
+def test_throughput_objective_finds_the_best_split(c):
+    best = max(tput(GOOD_SPEC, k) + tput(SEED_BASE, c - k) for k in range(c + 1))
+    k = place(trained(objective="throughput"), c)
+    assert tput(GOOD_SPEC, k) + tput(SEED_BASE, c - k) >= 0.999 * best
+    # The latency rule (balanced's) is never better in total throughput.
+    kl = place(trained(objective="latency"), c)
+    assert tput(GOOD_SPEC, kl) + tput(SEED_BASE, c - kl) <= best + 1e-9
+
+
+def obs(pool, url, n, ab, rng, tokens=200, noise=0.15):
+    per_token = truth(ab, n) * max(0.05, 1 + rng.gauss(0, noise))
+    chunks = tokens // 2
+    decode = per_token * tokens * (chunks - 1) / chunks
+    return Observation(pool, url, n, n, decode + 0.05, 0.05, tokens, chunks, True)
+
+
+def test_adaptive_learns_from_observations_what_the_priors_would_have_said():
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(3)
+    for _ in range(300):
+        pol.observe(obs("speculative", S1, rng.randint(1, 40), GOOD_SPEC, rng))
+        pol.observe(obs("baseline", B1, rng.randint(1, 40), SEED_BASE, rng))
+    for c in (1, 10, 30, 100):
+        assert abs(place(pol, c) - place(trained(), c)) <= max(1, c // 20), c
+    state = pol.state(view())
+    assert state["pools"]["speculative"]["samples"] == 300
+    assert state["backends"][0]["uses"] == "instance"
+
+
+def test_failed_or_unmeasured_exchanges_teach_nothing():
+    pol = Adaptive()
+    for o in (Observation("baseline", B1, 1, 1, 1.0, 0.1, 100, 50, False),  # error / abort
+              Observation("baseline", B1, 1, 1, 1.0, 0.1, None, 50, True),  # no usage
+              Observation("baseline", B1, 1, 1, 1.0, 0.1, 1, 1, True)):  # one token
+        pol.observe(o)
+    assert pol.pool_model("baseline").samples == 0
+
+
+def test_no_flapping_under_noise():
+    # Stable servers, noisy measurements: the published models (what routing uses) hardly move.
+    pol = trained()
+    rng = random.Random(8)
+    changes = 0
+    before = dict(pol.published)
+    for _ in range(2000):
+        pol.observe(obs("speculative", S1, rng.randint(5, 15), GOOD_SPEC, rng, noise=0.3))
+        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng, noise=0.3))
+        changes += sum(pol.published[k] is not before.get(k) for k in ("speculative", "baseline"))
+        before = dict(pol.published)
+    assert changes < 200  # of 4000 updates
+    assert place(pol, 10) == place(trained(), 10)
+
+
+def test_exploration_is_rare_and_only_where_cheap():
+    pol = trained(explore=0.05)
+    rng = random.Random(1)
+    cheap = Counter(pol.decide(view(1, 0), rng).reason for _ in range(2000))
+    assert 0.02 * 2000 < cheap[EXPLORE] < 0.08 * 2000
+    pol = trained(SEED_SPEC, explore=0.05)
+    pol.last_seen = {"speculative": 10**9, "baseline": 10**9}  # nothing is stale
+    dear = Counter(pol.decide(view(0, 40), rng).reason for _ in range(200))  # the other pool is far worse?
+    assert dear[EXPLORE] <= 0.08 * 200
+
+
+def test_cold_start_tries_both_pools_then_follows_the_data():
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(0)
+    seen = []
+    for _ in range(12):
+        d = decide(pol, view(0, 0), None, rng)
+        seen.append(d.pool)
+        ab = SEED_SPEC if d.pool == "speculative" else SEED_BASE
+        pol.observe(obs(d.pool, d.url, 1, ab, rng, noise=0.02))
+    assert set(seen[:6]) == {"speculative", "baseline"}
+    assert seen[-3:] == ["baseline"] * 3  # the seed eagle3 server is slower alone
+
+
+# ---------------------------------------------------------------- /v1/loads figures
+
+def test_parse_figures():
+    doc = {"loads": [
+        {"num_running_reqs": 3, "num_waiting_reqs": 1, "gen_throughput": 400.0, "max_running_requests": 48,
+         "speculative": {"accept_length": 2.5}},
+        {"num_running_reqs": 2, "gen_throughput": 100, "max_running_requests": 48,
+         "speculative": {"accept_length": 1.5}}]}
+    assert parse_figures(doc) == LoadFigures(5, 1, 500.0, 2.0, 96)
+    assert parse_figures({"loads": [{"num_running_reqs": 1}]}) == LoadFigures(1, 0, None, None, None)
+    assert parse_figures({"loads": [{"num_running_reqs": "x"}]}) is None
+    assert parse_figures([]) is None
+
+
+def test_loads_feed_the_model_and_an_accept_drop_rescales_it_at_once():
+    pol = Adaptive(explore=0.0)
+    for running in (4, 8, 16, 32, 4, 8, 16, 32) * 10:
+        pol.observe_loads(S1, "speculative", LoadFigures(running, 0, tput(GOOD_SPEC, running), 2.6, 48))
+    m = pol.pool_model("speculative")
+    assert m.max_running == 48 and pol.params(view().speculative[0]).max_running == 48
+    assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.05)
+    pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
+    assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16) * 1.6 / 2.6, rel=0.05)
+    assert pol.state(view())["backends"][0]["accept_length"] == 1.6
+
+
+def test_pools_feed_the_adaptive_policy():
+    pols = Pools([S1], [B1], policy=Adaptive(explore=0.0))
+    for b in pools_backends(pols):
+        b.probe_ok(1)
+    rng = random.Random(1)
+    for _ in range(30):
+        pols.report_done(pols.by_url[B1], obs("baseline", B1, 2, SEED_BASE, rng))
+    pols.report_loads(pols.by_url[S1], LoadFigures(3, 0, 1000.0, 2.0, 16))
+    assert pols.policy.pool_model("baseline").samples == 30
+    assert pols.policy.pool_model("speculative").max_running == 16
+
+
+def pools_backends(p: Pools):
+    return p.backends
+
+
+# ---------------------------------------------------------------- through the router, against simulators
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "write a python function"}], "max_tokens": 32,
+        "ignore_eos": True}
+
+
+async def test_adaptive_through_the_router(sim_factory, router_factory):
+    # Far apart (the speculative server runs 8x slower), so the test does not hang on timing noise of a busy host.
+    spec = await sim_factory("eagle3-tp8", speedup=2.0)
+    base = await sim_factory("baseline-tp8", speedup=16.0)
+    router = await router_factory([spec.url], [base.url], policy="adaptive", adaptive_explore=0.0,
+                                  load_signal="backend", load_interval=0.1)
+    pools = []
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0) as client:
+        for _ in range(20):  # one at a time: the baseline is faster alone
+            resp = await client.chat.completions.with_raw_response.create(
+                messages=BODY["messages"], model="m", max_tokens=32, stream=True,
+                extra_body={"ignore_eos": True})
+            async for _chunk in resp.parse():
+                pass
+            pools.append(resp.headers["X-Router-Pool"])
+    assert set(pools[:6]) == {"speculative", "baseline"}  # both tried while cold
+    assert Counter(pools[-8:])["baseline"] >= 7
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
+        assert r.status == 200
+        state = await r.json()
+    assert state["policy"] == "adaptive"
+    model = state["model"]["pools"]
+    assert model["baseline"]["samples_by_source"]["request"] >= 8
+    assert sum(model["speculative"]["samples_by_source"].values()) >= 2  # finished requests and /v1/loads
+    assert model["baseline"]["tok_s_alone"] > model["speculative"]["tok_s_alone"]
+    assert router.metric("router_adaptive_samples", pool="baseline") >= 8
+    assert router.metric("router_adaptive_alpha_seconds", pool="speculative") > 0
+    assert router.metric("router_route_decisions_total", pool="baseline", reason="marginal_gain") >= 8
+    assert await router.wait_idle() == {spec.url: 0, base.url: 0}
+
+
+async def test_router_state_needs_the_api_key_when_one_is_set(sim_factory, router_factory):
+    base = await sim_factory("baseline-tp8")
+    router = await router_factory([], [base.url], api_key="sekrit")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(router.url + "/router/state") as r:
+            assert r.status == 401
+        async with s.get(router.url + "/router/state", headers={"Authorization": "Bearer sekrit"}) as r:
+            assert r.status == 200
+            body = await r.json()
+    assert body["policy"] == "spillover" and "model" not in body
+    assert body["backends"] == [{"url": base.url, "pool": "baseline", "healthy": True, "routable": True, "inflight": 0,
+                                 "reported_load": None, "load": 0}]
+
+
+# ---------------------------------------------------------------- settings
+
+def test_adaptive_settings():
+    from router.app import make_policy
+    from router.settings import ConfigError, load_settings
+
+    s = load_settings(None, {"baseline": "http://b:1", "speculative": "http://s:1", "policy": "adaptive",
+                             "objective": "latency", "adaptive_explore": "0.1", "adaptive_max_running": "64",
+                             "baseline_curve": "1:92.6,10:457.2,70:784.2"}, environ={})
+    pol = make_policy(s)
+    assert isinstance(pol, Adaptive)
+    assert (pol.objective, pol.explore, pol.max_running) == ("latency", 0.1, 64)
+    assert set(pol.priors) == {"baseline"}  # a curve given is a prior; none needed
+    assert pol.pool_model("baseline").params().throughput(10) == pytest.approx(457.2, rel=0.1)
+    for bad, msg in (({"objective": "fastest"}, "objective"), ({"adaptive_explore": "0.9"}, "adaptive_explore"),
+                     ({"adaptive_forgetting": "1.5"}, "adaptive_forgetting")):
+        with pytest.raises(ConfigError, match=msg):
+            load_settings(None, {"baseline": "http://b:1", "policy": "adaptive", **bad}, environ={})
