@@ -46,6 +46,8 @@ def main(argv: list[str]) -> int:
                    help="speculative profile family: DRAFTER-tp8 and DRAFTER-tp4 (default eagle3, the seed "
                         "profiles; eagle3-good for the better drafter)")
     p.add_argument("--baseline", default="baseline", help="baseline profile family (default baseline)")
+    p.add_argument("--split-profile", default=None, metavar="PROFILE",
+                   help="the split's speculative TP4 profile, a name or a .json file (default DRAFTER-tp4)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=positive(int), default=128)
     p.add_argument("--speedup", type=positive(float), default=10.0)
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
     except ArgError as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
-    prof = {"spec8": f"{ns.drafter}-tp8", "spec4": f"{ns.drafter}-tp4",
+    prof = {"spec8": f"{ns.drafter}-tp8", "spec4": ns.split_profile or f"{ns.drafter}-tp4",
             "base8": f"{ns.baseline}-tp8", "base4": f"{ns.baseline}-tp4"}
     try:
         for name in prof.values():
