@@ -200,11 +200,11 @@ def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[s
         return "verdict: nothing completed a request"
     note = hardware_note(configs + refs, gpus)
     suffix = f" ({note})" if note else f" (every deployment here uses {gpus_label(gpus.get(configs[0]))})"
-    tie_text = f"; a tie within the {NOISE:.0%} noise band at c={_levels(ties)}" if ties else ""
+    pairs = "; ".join(f"{a} and {b} at c={_levels(lv)}" for (a, b), lv in tied.items())
     if not by_winner:
-        pairs = "; ".join(f"{a} and {b} at c={_levels(lv)}" for (a, b), lv in tied.items())
         return (f"verdict: no deployment wins on throughput by more than the {NOISE:.0%} noise band at any level: "
                 f"{pairs}" + suffix)
+    tie_text = f"; ties within the {NOISE:.0%} noise band: {pairs}" if ties else ""
     if len(by_winner) == 1:
         (w, levels), = by_winner.items()
         where = "at every level measured" if not ties else "at every other level"
