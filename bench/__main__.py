@@ -1,7 +1,8 @@
-"""CLI entry for `python -m bench`: dispatches each subcommand to the module that owns it."""
+"""CLI entry for `python -m bench` / `spec-bench`: dispatches each subcommand to the module that owns it."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
@@ -12,17 +13,43 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "calibrate": ("bench.calibrate", "measure both pools and recommend the spillover threshold"),
     "plan": ("bench.plan", "break-even: which deployment of the same GPUs wins at which load (from compare JSON)"),
-    "demo": ("bench.demo", "two simulated backends + router + a short sweep (the README's first command)"),
+    "demo": ("bench.demo", "the same 8 simulated GPUs four ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
+    "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+}
+# Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
+EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers"}
+# What each command needs from those; plots are skipped with --no-plot, so then matplotlib is not needed.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "sweep": ("matplotlib",), "compare": ("matplotlib",), "calibrate": ("matplotlib",), "demo": ("matplotlib",),
+    "stress": ("psutil",), "overhead": ("psutil",),
 }
 
 
 def usage() -> str:
-    lines = ["usage: python -m bench COMMAND [options]", "", "commands:"]
+    lines = ["usage: spec-bench COMMAND [options]   (or: python -m bench COMMAND [options])", "", "commands:"]
     lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", "`python -m bench COMMAND --help` documents each command."]
+    lines += ["", "`spec-bench COMMAND --help` documents each command."]
     return "\n".join(lines)
+
+
+def missing_extra_line(command: str, module: str) -> str:
+    extra = EXTRA_OF[module]
+    return (f"bench {command} needs the {extra} extra ({module} is not installed): "
+            f"pip install 'spec-router[{extra}]'")
+
+
+def missing_module(command: str, args: list[str]) -> str | None:
+    """The first module `command` needs that cannot be imported here, checked before a long run starts."""
+    if "-h" in args or "--help" in args:
+        return None  # help needs nothing optional
+    for module in NEEDS.get(command, ()):
+        if module == "matplotlib" and "--no-plot" in args:
+            continue
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"bench: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    if (module := missing_module(name, rest)) is not None:
+        print(missing_extra_line(name, module), file=sys.stderr)
+        return 2
+    try:
+        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    except ModuleNotFoundError as exc:
+        # A lazy import deeper down: the same one line if it is an extra's module, a real bug otherwise.
+        top = (exc.name or "").split(".")[0]
+        if top not in EXTRA_OF:
+            raise
+        print(missing_extra_line(name, top), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

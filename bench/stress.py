@@ -368,8 +368,11 @@ async def run_stress(cfg: StressConfig, router_url: str, router_pid: int, sims: 
         "router in-flight gauges all 0 after the run": all(v == 0 for v in after.inflight.values()),
         "simulators idle after the run (running + queued == 0)": sim_active == 0,
         "router answered every request it was sent": router_answered == tally.sent,
-        "simulators aborted exactly the requests clients left": sim_aborted == o[DISCONNECTED],
-        "simulators completed exactly the requests clients completed": sim_completed == o[OK],
+        # The router reads a stream at the backend's pace, not the client's: a backend can finish an answer the
+        # client then leaves before reading in full. So aborts are at most the requests clients left.
+        "simulators aborted only requests clients left, completed the rest":
+            sim_aborted <= o[DISCONNECTED] and sim_aborted + sim_completed == o[DISCONNECTED] + o[OK],
+        "simulators completed every request clients completed": sim_completed >= o[OK],
         f"{cfg.streams} streams were open at once (client side)": tally.peak_open >= cfg.streams,
     }
     ttft = sorted(tally.ttft)

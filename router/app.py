@@ -20,7 +20,7 @@ from router.policy import Policy
 from router.pools import Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
-from router.upstream import make_session
+from router.upstream import Limits, make_session
 
 log = logging.getLogger("router")
 
@@ -32,7 +32,10 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     pools = Pools(settings.speculative, settings.baseline, policy=make_policy(settings),
                   threshold=settings.threshold, metrics=metrics, outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
-    st = RouterState(settings=settings, pools=pools, metrics=metrics,
+    limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
+    for b in pools.backends:
+        metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting[u])
+    st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
     app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))

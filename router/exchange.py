@@ -15,6 +15,7 @@ from router.errors import (
     NoHealthyBackend,
     RouterError,
     ShuttingDown,
+    UpstreamDisconnected,
     UpstreamError,
     error_response,
     sse_error_event,
@@ -85,6 +86,7 @@ class Exchange:
         self.cut = False  # set when the drain ended before this exchange did
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
+        self.slot: str | None = None  # the backend whose connection slot this exchange holds
         st.exchanges.add(self)
 
     def cut_now(self) -> None:
@@ -94,8 +96,12 @@ class Exchange:
             self.task.cancel()
 
     def absorb_cut(self) -> bool:
-        """True when the CancelledError being handled is cut_now()'s alone (then it is taken back)."""
-        return self.cut and self.task is not None and self.task.uncancel() == 0
+        """True when the CancelledError being handled is cut_now()'s alone. cut_now()'s cancellation is taken
+        back at most once: with a client disconnect pending too, a second call must not take back that one."""
+        if not self.cut or self.task is None:
+            return False
+        self.cut = False
+        return self.task.uncancel() == 0
 
     @property
     def pool(self) -> str:
@@ -108,12 +114,15 @@ class Exchange:
         self.st.metrics.upstream_errors.labels(self.lease.backend.url, err.kind).inc()
         self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
 
-    async def open(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send the request and wait for response headers; retry elsewhere only before any byte came back."""
+    async def start(self, path: str, body: bytes, stream: bool
+                    ) -> tuple[aiohttp.ClientResponse, bytes | None, web.Response | None]:
+        """Send the request and wait for its first chunk (streams) or whole body; until a byte went to the client,
+        a refused connection, a 502/503, or a backend closing the connection is retried on another backend."""
         assert self.st.session is not None
         attempts = 0
         while True:
             b = self.lease.backend
+            await self.take_slot()
             try:
                 resp = await upstream.send(self.st.session, b.url, path, body,
                                            upstream_headers(self.request, b.api_key))
@@ -124,18 +133,54 @@ class Exchange:
                 attempts += 1
                 continue
             self.st.pools.report_attempt(b, Attempt(OK, resp.status))
-            if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry():
+            if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry(resp):
                 self.st.metrics.upstream_errors.labels(b.url, f"status_{resp.status}").inc()
-                resp.close()
                 attempts += 1
                 continue
             self.upstream = resp
-            return resp
+            sse = stream and resp.status == 200 and resp.content_type == "text/event-stream"
+            try:
+                if sse:
+                    # Wait for the first chunk before answering: until then a failure is a clean 504/502.
+                    return resp, await upstream.read_chunk(resp, b.url, FIRST_BYTE), None
+                return resp, None, await self.buffered(resp)
+            except UpstreamError as err:
+                self.upstream_failed(err)
+                # Headers came, but the client has received nothing yet: as safe to retry as a refusal.
+                if (not isinstance(err, UpstreamDisconnected) or attempts >= self.st.settings.retries
+                        or not self._retry(resp)):
+                    raise
+                attempts += 1
 
-    def _retry(self) -> bool:
+    async def take_slot(self) -> None:
+        """One of the backend's max_connections_per_backend places; a wait shows in the metrics."""
+        url = self.lease.backend.url
+        sem = self.st.limits.slots[url]
+        if sem.locked():
+            t = time.monotonic()
+            self.st.limits.waiting[url] += 1
+            try:
+                await sem.acquire()
+            finally:
+                self.st.limits.waiting[url] -= 1
+            self.st.metrics.upstream_wait.labels(self.pool).observe(time.monotonic() - t)
+        else:
+            await sem.acquire()  # free: returns at once
+        self.slot = url
+
+    def give_slot(self) -> None:
+        if self.slot is not None:
+            self.st.limits.slots[self.slot].release()
+            self.slot = None
+
+    def _retry(self, resp: aiohttp.ClientResponse | None = None) -> bool:
         new = self.st.pools.acquire_retry(self.lease.backend)
         if new is None:
             return False
+        if resp is not None:
+            resp.close()
+        self.upstream = None
+        self.give_slot()
         self.lease.release()
         self.lease = new
         self.inflight_at_start = new.backend.inflight
@@ -143,19 +188,8 @@ class Exchange:
         self.st.metrics.retries.labels(new.backend.pool).inc()
         return True
 
-    async def first_chunk(self, resp: aiohttp.ClientResponse) -> bytes:
-        try:
-            return await upstream.read_chunk(resp, self.lease.backend.url, FIRST_BYTE)
-        except UpstreamError as err:
-            self.upstream_failed(err)
-            raise
-
     async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
-        try:
-            body = await upstream.read_body(resp, self.lease.backend.url)
-        except UpstreamError as err:
-            self.upstream_failed(err)
-            raise
+        body = await upstream.read_body(resp, self.lease.backend.url)
         if resp.status == 200 and b'"usage"' in body:
             try:
                 self.usage.take(json.loads(body))
@@ -253,6 +287,7 @@ class Exchange:
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             self.usage.completion if self.usage.seen else None, self.chunks, ok))
         self.lease.release()
+        self.give_slot()
         if self.upstream is not None:
             # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
             if self.upstream.content.at_eof():
@@ -308,19 +343,14 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     try:
         try:
             async with asyncio.timeout(st.settings.first_byte_timeout):
-                resp = await ex.open(path, body)
-                sse = stream and resp.status == 200 and resp.content_type == "text/event-stream"
-                if sse:
-                    # Wait for the first chunk before answering: until then a failure is a clean 504/502.
-                    first = await ex.first_chunk(resp)
-                else:
-                    out = await ex.buffered(resp)
+                resp, first, out = await ex.start(path, body, stream)
         except TimeoutError as exc:
             err = upstream.map_error(exc, ex.lease.backend.url, FIRST_BYTE, got_headers=False)
             ex.upstream_failed(err)
             raise err from None
-        if sse:
+        if first is not None:
             return await ex.stream(resp, first, strip=not client_wants_usage)
+        assert out is not None
         ex.code = str(out.status)
         return out
     except RouterError as err:

@@ -57,6 +57,12 @@ class Metrics:
                                    ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)
+        self.upstream_wait = Histogram("router_upstream_wait_seconds",
+                                       "Time requests waited for a place under max_connections_per_backend "
+                                       "(only requests that waited)", ["pool"], buckets=_LATENCY, registry=registry)
+        self.upstream_waiting = Gauge("router_upstream_waiting_requests",
+                                      "Requests waiting now for a place under max_connections_per_backend",
+                                      ["pool", "backend"], registry=registry)
         # The adaptive policy's learned model, per pool (read from the model at scrape time).
         self.adaptive_alpha = Gauge("router_adaptive_alpha_seconds",
                                     "Fitted seconds per token of a request running alone", ["pool"],

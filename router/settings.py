@@ -171,6 +171,8 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(8190, ge=256, description="largest request line / header field")
     max_headers: int = Field(100, ge=8, description="most request headers accepted")
     max_connections: int = Field(4096, ge=1, description="open connections to all backends together")
+    max_connections_per_backend: int = Field(1024, ge=1, description="requests open to one backend at once; "
+                                             "more wait in the router (router_upstream_waiting_requests)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("speculative", "baseline", mode="before")

@@ -10,6 +10,7 @@ from router.health import HealthChecker
 from router.metrics import Metrics
 from router.pools import Pools
 from router.settings import Settings
+from router.upstream import Limits
 
 
 @dataclass
@@ -17,6 +18,7 @@ class RouterState:
     settings: Settings
     pools: Pools
     metrics: Metrics
+    limits: Limits
     session: aiohttp.ClientSession | None = None
     health: HealthChecker | None = None
     metrics_url: str | None = None  # set when /metrics listens on its own address

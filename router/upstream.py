@@ -97,3 +97,12 @@ async def read_body(resp: aiohttp.ClientResponse, backend: str) -> bytes:
         return await resp.read()
     except TRANSPORT_ERRORS as exc:
         raise map_error(exc, backend, FIRST_BYTE, got_headers=True) from None
+
+
+class Limits:
+    """At most `per_backend` requests open to each backend at once; the others wait here, counted, instead of
+    unseen inside aiohttp's connection pool."""
+
+    def __init__(self, urls: list[str], per_backend: int) -> None:
+        self.slots = {u: asyncio.Semaphore(per_backend) for u in urls}
+        self.waiting = dict.fromkeys(urls, 0)

@@ -59,8 +59,10 @@ class RouterHandle:
 
 
 @pytest.fixture
-async def router_factory():
-    """`await router_factory(speculative=[url], baseline=[url], wait_ready=True, **settings) -> RouterHandle`."""
+async def router_factory(caplog):
+    """`await router_factory(speculative=[url], baseline=[url], wait_ready=True, **settings) -> RouterHandle`.
+
+    Teardown fails the test if any in-flight count went below 0 (router.pools logs it as an error)."""
     handles: list[RouterHandle] = []
 
     async def make(speculative=(), baseline=(), *, wait_ready: bool = True, **settings) -> RouterHandle:
@@ -82,6 +84,8 @@ async def router_factory():
     yield make
     for h in reversed(handles):
         await h.close()
+    below = [r.getMessage() for r in caplog.records if r.name == "router.pools" and "below 0" in r.getMessage()]
+    assert not below, below
 
 
 # ---------------------------------------------------------------- helpers shared by the router tests

@@ -19,6 +19,7 @@ from router.observe import (
     OK,
     REFUSED,
     Attempt,
+    Observation,
 )
 from router.outlier import (
     ACTIVE,
@@ -203,12 +204,42 @@ def test_pools_trial_caps_requests_in_flight(caplog):
     # Two trial requests at a time; the third goes elsewhere although spillover would pick speculative.
     assert (d1.url, d2.url, d3.url) == (S1, S1, B1)
     p.report_attempt(spec, Attempt(OK, 200))
+    p.report_done(spec, done(spec, ok=True))
     first.release()
+    assert spec.state() == TRIAL
     p.report_attempt(spec, Attempt(OK, 200))
+    p.report_done(spec, done(spec, ok=True))
     second.release()
     third.release()
     assert spec.state() == "up" and "fully back" in caplog.text
     assert [b.inflight for b in p.backends] == [0, 0]
+
+
+def done(b, ok: bool) -> Observation:
+    return Observation(b.pool, b.url, 1, 1, 0.1, 0.01, 10, 3, ok)
+
+
+def test_good_headers_are_no_success_until_the_answer_is_complete():
+    # A backend that answers 200 and then stalls every stream: each exchange reports good headers, then an
+    # idle timeout. The headers must not reset the count, or such a backend would never be ejected.
+    p = up(pools())
+    spec = p.by_url[S1]
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(OK, 200))
+        p.report_attempt(spec, Attempt(IDLE_TIMEOUT))
+        p.report_done(spec, done(spec, ok=False))
+    assert spec.state() == EJECTED
+    # Complete answers do reset it; unfinished ones (client disconnects) change nothing.
+    q = up(pools())
+    spec = q.by_url[S1]
+    q.report_attempt(spec, Attempt(OK, 500))
+    q.report_done(spec, done(spec, ok=False))
+    q.report_attempt(spec, Attempt(OK, 500))
+    assert spec.outlier.failures == 2
+    q.report_done(spec, done(spec, ok=False))
+    assert spec.outlier.failures == 2
+    q.report_done(spec, done(spec, ok=True))
+    assert (spec.state(), spec.outlier.failures) == ("up", 0)
 
 
 def test_local_errors_never_count():

@@ -70,7 +70,11 @@ async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_fac
     assert tally.seen["complete"] >= 48 - 8
     assert up(router, spec.url) == 0
     await idle_everywhere(router, base)
-    assert router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect") == tally.seen[CLOSED]
+    # A stream cut after its headers but before its first chunk is retried elsewhere (its client got nothing),
+    # so a disconnect is either an in-band close or a retry.
+    disconnects = router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect")
+    retried = router.metric("router_retries_total", pool="baseline")
+    assert tally.seen[CLOSED] <= disconnects <= tally.seen[CLOSED] + retried
 
 
 async def test_hang_before_first_byte_is_504_then_failover_when_health_fails(sim_factory, router_factory):

@@ -61,6 +61,28 @@ async def test_consecutive_500s_eject_and_the_other_pool_serves(sim_factory, rou
     assert router.inflight() == {spec.url: 0, base.url: 0}
 
 
+async def test_streams_that_stall_after_good_headers_eject(sim_factory, router_factory):
+    # /health stays 200 and every answer starts well: only the streams' ends show the backend is broken.
+    spec = await sim_factory("eagle3-tp8", faults={"stall_after_chunks": 2})
+    base = await sim_factory()
+    router = await router_factory([spec.url], [base.url], eject_base_seconds=60, idle_timeout=0.3, **EJECT)
+    pools = []
+    async with client(router) as c:
+        for _ in range(3):  # each ends with the router's SSE error event after idle_timeout
+            raw = await c.chat.completions.with_raw_response.create(**{**CHAT_BODY, "stream": True})
+            pools.append(raw.headers["X-Router-Pool"])
+            with pytest.raises(openai.APIError):
+                async for _chunk in raw.parse():
+                    pass
+        raw = await c.chat.completions.with_raw_response.create(**{**CHAT_BODY, "stream": True})
+        pools.append(raw.headers["X-Router-Pool"])
+        assert len([chunk async for chunk in raw.parse()]) > 1  # complete, from the other pool
+    assert pools == ["speculative"] * 3 + ["baseline"]
+    assert router.metric("router_backend_ejections_total", pool="speculative", backend=spec.url,
+                         reason="idle_timeout") == 1
+    assert await router.wait_idle() == {spec.url: 0, base.url: 0}
+
+
 async def test_4xx_and_client_disconnects_do_not_eject(sim_factory, router_factory):
     spec = await sim_factory("eagle3-tp8", speedup=5.0)
     base = await sim_factory()

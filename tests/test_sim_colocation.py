@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 
+import aiohttp
 import pytest
 
 from bench import procs
@@ -146,23 +146,32 @@ def test_colocated_process_serves_two_ports_on_one_clock():
         assert proc.stop() == 0
 
 
-def test_colocated_pair_interleaves_over_http():
+async def test_colocated_pair_interleaves_over_http():
     """Both servers busy through their HTTP APIs: each waits for the other's steps (counted in /_sim/stats)."""
-    proc, url_a, url_b = procs.start_colocated("eagle3-tp8", "baseline-tp8", 100.0)
+    proc, url_a, url_b = procs.start_colocated("eagle3-tp8", "baseline-tp8", 10.0)
     try:
-        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+        def chat(tokens: int) -> dict:
+            return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens}
 
-        async def both() -> None:
-            loop = asyncio.get_running_loop()
-            jobs = [loop.run_in_executor(None, _post, url + "/v1/chat/completions", chat)
-                    for url in (url_a, url_b) for _ in range(3)]
-            await asyncio.gather(*jobs)
+        async with aiohttp.ClientSession() as s:
+            async def post(url: str, tokens: int) -> int:
+                async with s.post(url + "/v1/chat/completions", json=chat(tokens)) as r:
+                    return (await r.json())["usage"]["completion_tokens"]
 
-        t0 = time.monotonic()
-        asyncio.run(both())
-        assert time.monotonic() - t0 < 60
-        a, b = _get(url_a + "/_sim/stats"), _get(url_b + "/_sim/stats")
-        assert a["completed_total"] == 3 and b["completed_total"] == 3
-        assert a["gpu_switches"] > 0 and a["gpu_wait_s"] > 0 and b["gpu_wait_s"] > 0
+            async def stats(url: str) -> dict:
+                async with s.get(url + "/_sim/stats") as r:
+                    return await r.json()
+
+            # long streams on A, running once their first chunk is here; then short requests on B
+            streams = [await s.post(url_a + "/v1/chat/completions", json={**chat(1500), "stream": True})
+                       for _ in range(3)]
+            for r in streams:
+                assert (await r.content.readline()).startswith(b"data: ")
+            assert await asyncio.gather(*(post(url_b, 30) for _ in range(3))) == [30, 30, 30]
+            a, b = await stats(url_a), await stats(url_b)
+            assert a["running"] == 3  # still busy: B's requests ran next to them
+            assert a["gpu_switches"] > 0 and a["gpu_wait_s"] > 0 and b["gpu_wait_s"] > 0
+            for r in streams:
+                r.close()
     finally:
         proc.stop()

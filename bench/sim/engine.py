@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import random
 import re
@@ -46,6 +47,12 @@ def is_coding(text: str) -> bool:
     return bool(_CODE_RE.search(text))
 
 
+PROMPT_MIXES = ("coding", "chat")
+# how many recent verify steps SGLang-style accept-length figures average over (its decode log interval)
+ACCEPT_WINDOW_STEPS = 40
+
+
+@functools.lru_cache(maxsize=4096)
 def _accept_rate(mean_len: float, steps: int) -> float:
     """Per-draft acceptance a with 1 + a + a^2 + ... + a^steps == mean_len (bisection)."""
     if mean_len <= 1.0:
@@ -110,6 +117,7 @@ class SimRequest:
     text: str  # the final output text (stop string excluded)
     accept_rate: float
     rng: random.Random
+    coding: bool = False  # prompt class: code accepts more draft tokens
     stream: bool = False
     generated: int = 0
     emitted_chars: int = 0
@@ -170,12 +178,13 @@ def build_request(
         finish_reason, matched = "stop", s
     elif eos_first:
         tokens.append("")  # the EOS token: counted in completion_tokens, never shown
-    kind_len = profile.accept_length_coding if is_coding(prompt_text) else profile.accept_length_general
+    coding = is_coding(prompt_text)
+    kind_len = profile.accept_length_coding if coding else profile.accept_length_general
     rate = _accept_rate(kind_len, profile.speculative_num_steps) if profile.speculative else 0.0
     return SimRequest(
         rid=rid, prompt_text=prompt_text, prompt_tokens=prompt_tokens, tokens=tokens,
         finish_reason=finish_reason, matched_stop=matched, text=text, accept_rate=rate, rng=rng,
-        stream=stream,
+        stream=stream, coding=coding,
     )
 
 
@@ -205,6 +214,8 @@ class Engine:
         # KV capacity in tokens (a co-located server gets its memory share of the profile's)
         self.max_total_tokens = max_total_tokens or profile.max_total_num_tokens
         self.gpu = gpu
+        if gpu is not None:
+            gpu.engines.append(self)
         self.reserved_tokens = 0  # KV the running requests will hold at their end (prompt + output)
         self.deadline = 0.0  # wall time at which the current step ends
         self.busy_s = 0.0  # simulated seconds of GPU time this engine's steps took
@@ -217,8 +228,12 @@ class Engine:
         self.generation_tokens_total = 0
         self.verify_calls_total = 0
         self.steps_total = 0
-        self._accept_sum = 0  # tokens gained by decoding requests in speculative steps
-        self._accept_n = 0  # request-steps in speculative steps
+        # (tokens gained, request-steps) of the recent speculative steps: the accept length SGLang reports
+        self._accept_recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=ACCEPT_WINDOW_STEPS)
+        # drift (POST /_sim/drift): an accept length for every request, or every prompt taken as one class
+        self.drift_accept_length: float | None = None
+        self.drift_prompt_mix: str | None = None
+        self.drift_changes = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (wall, tokens) per step
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -232,6 +247,10 @@ class Engine:
     @property
     def num_queued(self) -> int:
         return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
 
     def used_tokens(self) -> int:
         return sum(r.prompt_tokens + r.generated for r in self.running)
@@ -249,9 +268,59 @@ class Engine:
     def avg_accept_length(self) -> float:
         if not self.profile.speculative:
             return 1.0
-        if not self._accept_n:
-            return self.profile.accept_length_general
-        return self._accept_sum / self._accept_n
+        gained = sum(k for k, _ in self._accept_recent)
+        if not gained:
+            return self.mean_accept_length(coding=self.drift_prompt_mix == "coding")
+        return gained / sum(n for _, n in self._accept_recent)
+
+    # -- acceptance and its drift ----------------------------------------------------------------
+    def mean_accept_length(self, coding: bool) -> float:
+        """The mean accept length a request of this prompt class gets now (drift included)."""
+        p = self.profile
+        if not p.speculative:
+            return 1.0
+        if self.drift_accept_length is not None:
+            return self.drift_accept_length
+        if self.drift_prompt_mix is not None:
+            coding = self.drift_prompt_mix == "coding"
+        return p.accept_length_coding if coding else p.accept_length_general
+
+    def _rate_for(self, req: SimRequest) -> float:
+        if not self.profile.speculative:
+            return 0.0
+        return _accept_rate(self.mean_accept_length(req.coding), self.profile.speculative_num_steps)
+
+    def drift(self) -> dict:
+        return {"accept_length": self.drift_accept_length, "prompt_mix": self.drift_prompt_mix,
+                "accept_length_general": self.mean_accept_length(coding=False),
+                "accept_length_coding": self.mean_accept_length(coding=True)}
+
+    def set_drift(self, update: dict) -> dict:
+        """Partial update of the drift switches (a key with null resets it); applies to running requests too.
+
+        Raises ValueError with a one-line message on a bad field."""
+        unknown = set(update) - {"accept_length", "prompt_mix"}
+        if unknown:
+            raise ValueError(f"unknown drift field(s): {', '.join(sorted(unknown))}")
+        length, mix = self.drift_accept_length, self.drift_prompt_mix
+        if "accept_length" in update:
+            length = update["accept_length"]
+            if length is not None:
+                cap = self.profile.max_accept
+                if not self.profile.speculative:
+                    raise ValueError("accept_length: this server does not speculate (its accept length is 1)")
+                if isinstance(length, bool) or not isinstance(length, int | float) or not 1.0 <= length <= cap:
+                    raise ValueError(f"accept_length must be a number from 1 to {cap} (num_steps + 1)")
+                length = float(length)
+        if "prompt_mix" in update:
+            mix = update["prompt_mix"]
+            if mix is not None and mix not in PROMPT_MIXES:
+                raise ValueError(f"prompt_mix must be one of {', '.join(PROMPT_MIXES)} or null")
+        self.drift_accept_length, self.drift_prompt_mix = length, mix
+        self.drift_changes += 1
+        for req in self.running:
+            req.accept_rate = self._rate_for(req)
+        return self.drift()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -299,21 +368,30 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
         deadline = time.monotonic()
+        if self.gpu is not None:
+            self.gpu.ready(self, deadline)
         behind = 0
         while True:
             if not self.running and not self.waiting:
+                if self.gpu is not None:
+                    self.gpu.idle(self)
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = time.monotonic()  # idle: the next step starts now, not in the past
+                if self.gpu is not None:
+                    self.gpu.ready(self, deadline)
             admitted = self._admit()
             decoding = list(self.running)
             now = time.monotonic()
             for req in admitted:
                 req.state = "running"
                 req.admitted_at = now
+                req.accept_rate = self._rate_for(req)
                 self.running.append(req)
             step = self.profile.step_ms(len(decoding)) if decoding else 0.0
             step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))
+            if self.gpu is not None:
+                await self.gpu.wait_turn(self, deadline)
             deadline = self._schedule(deadline, step)
             delay = deadline - time.monotonic()
             if delay > 0:
@@ -361,6 +439,7 @@ class Engine:
             if req.state == "running":  # not aborted while its prefill ran
                 gained_total += self._advance(req, 1, now)
         steps = self.profile.speculative_num_steps
+        spec_gained = spec_n = 0
         for req in decoding:
             if req.state != "running":
                 continue
@@ -368,9 +447,11 @@ class Engine:
             if spec:
                 while k <= steps and req.rng.random() < req.accept_rate:
                     k += 1
-                self._accept_sum += k
-                self._accept_n += 1
+                spec_gained += k
+                spec_n += 1
             gained_total += self._advance(req, k, now)
+        if spec_n:
+            self._accept_recent.append((spec_gained, spec_n))
         self.generation_tokens_total += gained_total
         self._recent.append((now, gained_total))
         horizon = now - 30.0 / self.speedup

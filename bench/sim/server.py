@@ -196,6 +196,9 @@ class SimServer:
         r.add_delete("/_sim/faults", self.faults_delete)
         r.add_get("/_sim/stats", self.stats)
         r.add_post("/_sim/speedup", self.speedup_post)
+        r.add_get("/_sim/drift", self.drift_get)
+        r.add_post("/_sim/drift", self.drift_post)
+        r.add_delete("/_sim/drift", self.drift_delete)
         return app
 
     # ---- generation ---------------------------------------------------------------------------
@@ -559,6 +562,22 @@ class SimServer:
             server.engine.speedup = value
         return web.json_response({"speedup": value})
 
+    async def drift_get(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.drift())
+
+    async def drift_post(self, request: web.Request) -> web.Response:
+        """Change the acceptance from now on: {"accept_length": L} and/or {"prompt_mix": "coding"|"chat"}."""
+        try:
+            update = await request.json()
+            if not isinstance(update, dict) or not update:
+                raise ValueError('body must be a JSON object like {"accept_length": 1.6} or {"prompt_mix": "chat"}')
+            return web.json_response(self.engine.set_drift(update))
+        except ValueError as exc:  # json.JSONDecodeError included
+            return _error(f"invalid drift: {exc}", "BadRequestError", 400)
+
+    async def drift_delete(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.set_drift({"accept_length": None, "prompt_mix": None}))
+
     async def stats(self, request: web.Request) -> web.Response:
         e = self.engine
         return web.json_response({
@@ -571,4 +590,6 @@ class SimServer:
             "busy_s": round(e.busy_s, 6), "gpu_wait_s": round(e.gpu_wait_s, 6),
             "colocated_with": [m.url for m in self.gpu.members if m is not self] if self.gpu is not None else [],
             "gpu_switches": self.gpu.switches if self.gpu is not None else 0,
+            "drift": {"accept_length": e.drift_accept_length, "prompt_mix": e.drift_prompt_mix},
+            "drift_changes": e.drift_changes,
         })

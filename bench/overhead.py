@@ -1,0 +1,500 @@
+"""`python -m bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import NoReturn
+
+from bench import procs
+from bench.rawhttp import Connection, HTTPFailure, request_bytes
+
+PATH = "/v1/chat/completions"
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+PEER = "sglang-router"
+PEER_MODULE = "sglang_router"
+POINTS = ("c1", "high", "stream", "long", "idle")  # c=1 rate, --concurrency rate, TTFB, chunks/s, memory
+# Issue 11's goals for this router, checked on every run (None: not measured in this run).
+GOALS = ("router c=64 rate >= 0.6x sglang-router's", "added p50 at c=1 <= 0.3 ms",
+         "added stream TTFB p50 <= 1 ms", "chunks/s through one router core >= 100,000",
+         "router memory per idle stream <= 20 KiB")
+
+
+class OverheadError(Exception):
+    """A setup step failed (a server did not start, a target never answered); one line."""
+
+
+@dataclass
+class Target:
+    name: str  # direct | router | sglang-router
+    label: str
+    url: str
+    pid: int | None = None  # the proxy's process (memory is read from it); None for direct
+    figures: dict = field(default_factory=dict)
+
+
+# ---- layout: which process runs on which core -------------------------------------------------------
+
+def plan_cpus(pin: bool) -> dict[str, set[int] | None]:
+    """Proxy alone on one core; backend and load generator on the others (their own each from 3 cores)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return {"proxy": None, "backend": None, "load": None}
+    if len(cpus) == 2:
+        return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": {cpus[1]}}
+    return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": set(cpus[2:])}
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Children started inside inherit this thread's CPU mask, from their first instruction on."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
+    """sglang-router (the Rust gateway) in front of the same backend, on free ports, its log in `log_path`."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", backend_url,
+           "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(metrics_port), "--policy", policy, "--log-level", "warn"]
+    # The fake backend reports a local model path without a tokenizer, so no hub is asked; offline anyway.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    try:
+        with open(log_path, "w", encoding="utf-8") as log:
+            popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    except OSError as exc:
+        raise OverheadError(f"{PEER}: cannot start: {exc}") from None
+    return procs.Proc(name=PEER, proc=popen, url=f"http://127.0.0.1:{port}")
+
+
+def _tail(path: Path | None) -> str:
+    if path is None or not path.exists():
+        return ""
+    text = " | ".join(line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip())
+    return ": " + text[-300:] if text else ""
+
+
+async def wait_routes(url: str, proc: subprocess.Popen | None, log: Path | None = None,
+                      within: float = 30.0) -> None:
+    raw = request_bytes(url, PATH, json.dumps(CHAT).encode())
+    deadline = time.monotonic() + within
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise OverheadError(f"{url}: exited with code {proc.returncode} before routing{_tail(log)}")
+        try:
+            conn = await asyncio.wait_for(Connection.open(url), 2.0)
+            try:
+                await asyncio.wait_for(conn.send(raw), 5.0)
+                return
+            finally:
+                conn.close()
+        except (OSError, HTTPFailure, TimeoutError) as exc:
+            last = str(exc) or type(exc).__name__
+        await asyncio.sleep(0.2)
+    raise OverheadError(f"{url}: no 2xx answer within {within:g}s ({last}){_tail(log)}")
+
+
+async def set_mode(backend_url: str, **mode: float) -> None:
+    conn = await Connection.open(backend_url)
+    try:
+        await asyncio.wait_for(conn.send(request_bytes(backend_url, "/_fake/mode", json.dumps(mode).encode())), 5)
+    finally:
+        conn.close()
+
+
+# ---- measurements ----------------------------------------------------------------------------------------
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 3)
+
+
+async def _open_all(url: str, n: int) -> list[Connection]:
+    conns: list[Connection] = []
+    for i in range(0, n, 100):  # in batches: a burst of SYNs larger than the backlog is not what we measure
+        conns += await asyncio.wait_for(
+            asyncio.gather(*(Connection.open(url) for _ in range(min(100, n - i)))), 30)
+    return conns
+
+
+async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float) -> dict:
+    """`concurrency` keep-alive connections each send the next request when the last one ended."""
+    raw = request_bytes(url, PATH, json.dumps(body).encode())
+    conns = await _open_all(url, concurrency)
+    t_measure = time.perf_counter() + warmup
+    t_end = t_measure + duration
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    errors = 0
+    first_error = None
+
+    async def worker(i: int) -> None:
+        nonlocal errors, first_error
+        while time.perf_counter() < t_end:
+            conn = conns[i]
+            try:
+                r = await conn.send(raw)
+            except HTTPFailure as exc:
+                if time.perf_counter() >= t_end:
+                    return
+                errors += time.perf_counter() >= t_measure
+                first_error = first_error or str(exc)
+                conn.close()
+                with contextlib.suppress(OSError):
+                    conns[i] = await Connection.open(url)
+                await asyncio.sleep(0.01)
+                continue
+            if r.sent >= t_measure and r.end <= t_end:
+                latencies.append(r.end - r.sent)
+                if r.first_body is not None:
+                    ttfbs.append(r.first_body - r.sent)
+
+    async def window() -> tuple[int, int]:
+        await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
+        before = sum(c.total_events for c in conns)
+        await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
+        after = sum(c.total_events for c in conns)
+        for c in conns:  # long streams end here, not when they would have
+            c.close()
+        return before, after
+
+    tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
+    before, after = await window()
+    await asyncio.wait(tasks, timeout=10)
+    for t in tasks:
+        t.cancel()
+    for c in conns:
+        c.close()
+    return {"concurrency": concurrency, "requests": len(latencies), "errors": errors, "first_error": first_error,
+            "req_per_s": round(len(latencies) / duration, 1), "p50_ms": _ms(_pct(latencies, 0.5)),
+            "p99_ms": _ms(_pct(latencies, 0.99)), "ttfb_p50_ms": _ms(_pct(ttfbs, 0.5)),
+            "events_per_s": round((after - before) / duration, 1)}
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+async def _open_streams(url: str, raw: bytes, n: int, within: float) -> list[tuple[Connection, asyncio.Future]]:
+    conns = await _open_all(url, n)
+    pairs = [(c, c.send(raw)) for c in conns]
+    deadline = time.monotonic() + within
+    # The first byte is noted by the protocol callbacks; polling them keeps the client free of extra futures.
+    while time.monotonic() < deadline and not all(c.first is not None or w.done() for c, w in pairs):  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return pairs
+
+
+async def idle_streams(url: str, n: int, pid: int, settle: float = 0.5, within: float = 20.0) -> dict:
+    """Proxy RSS per open stream that had its first token and then went quiet.
+
+    Two steps of n/2 streams: the first fills whatever the heap had free from earlier load, the second's RSS
+    growth is the cost of one more stream."""
+    body = dict(CHAT, stream=True, max_tokens=10)
+    raw = request_bytes(url, PATH, json.dumps(body).encode())
+    half = max(1, n // 2)
+    await asyncio.sleep(settle)
+    rss = [_rss(pid)]
+    pairs: list[tuple[Connection, asyncio.Future]] = []
+    opened = []
+    try:
+        for _ in range(2):
+            pairs += await _open_streams(url, raw, half, within)
+            opened.append(sum(c.first is not None and not w.done() for c, w in pairs))
+            await asyncio.sleep(settle)
+            rss.append(_rss(pid))
+    finally:
+        for c, w in pairs:
+            w.cancel()
+            c.close()
+    added = opened[1] - opened[0]
+    return {"streams": 2 * half, "open": opened[-1], "rss_mib": [round(r / 2**20, 2) for r in rss],
+            "kib_per_stream": round((rss[2] - rss[1]) / added / 1024, 1) if added > 0 else None,
+            "kib_per_stream_all": round((rss[2] - rss[0]) / opened[1] / 1024, 1) if opened[1] else None}
+
+
+async def measure(t: Target, backend_url: str, ns: argparse.Namespace) -> dict:
+    out: dict = {}
+    points = set(ns.points)
+    await set_mode(backend_url, pace_ms=0, hold_s=0)
+    for point, c in (("c1", 1), ("high", ns.concurrency)):
+        if point in points:
+            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
+    if "stream" in points:
+        await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
+        out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens), 1,
+                                          ns.duration, ns.warmup)
+        await set_mode(backend_url, pace_ms=0, hold_s=0)
+    if "long" in points:
+        out["long"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.long_tokens),
+                                        ns.long_streams, ns.duration, ns.warmup)
+    if "idle" in points and t.pid is not None and ns.idle_streams > 0:
+        await set_mode(backend_url, pace_ms=0, hold_s=ns.warmup + ns.duration + 30)
+        out["idle"] = await idle_streams(t.url, ns.idle_streams, t.pid)
+        await set_mode(backend_url, pace_ms=0, hold_s=0)
+    return out
+
+
+# ---- the table --------------------------------------------------------------------------------------------
+
+def summary(figs: dict, concurrency: int) -> dict:
+    """The figures of one target that the table shows."""
+    high = figs.get(f"c{concurrency}", {})
+    return {"c1_req_per_s": figs.get("c1", {}).get("req_per_s"), "c1_p50_ms": figs.get("c1", {}).get("p50_ms"),
+            "high_req_per_s": high.get("req_per_s"), "high_p50_ms": high.get("p50_ms"),
+            "stream_ttfb_p50_ms": figs.get("stream", {}).get("ttfb_p50_ms"),
+            "chunks_per_s": figs.get("long", {}).get("events_per_s"),
+            "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream")}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return round(a - b, 3) if a is not None and b is not None else None
+
+
+def compare(router: dict, other: dict) -> dict:
+    """Rates and memory as ratios (router / other), latencies as added milliseconds (router - other)."""
+    return {"c1_req_per_s_ratio": _ratio(router["c1_req_per_s"], other["c1_req_per_s"]),
+            "high_req_per_s_ratio": _ratio(router["high_req_per_s"], other["high_req_per_s"]),
+            "c1_p50_added_ms": _diff(router["c1_p50_ms"], other["c1_p50_ms"]),
+            "stream_ttfb_added_ms": _diff(router["stream_ttfb_p50_ms"], other["stream_ttfb_p50_ms"]),
+            "chunks_per_s_ratio": _ratio(router["chunks_per_s"], other["chunks_per_s"]),
+            "kib_per_idle_stream_ratio": _ratio(router["kib_per_idle_stream"], other["kib_per_idle_stream"])}
+
+
+def goals(s: dict[str, dict], vs_direct: dict | None, vs_peer: dict | None) -> list[dict]:
+    r, d, p = s.get("router") or {}, vs_direct or {}, vs_peer or {}
+    checks = [(p.get("high_req_per_s_ratio"), ">=", 0.6), (d.get("c1_p50_added_ms"), "<=", 0.3),
+              (d.get("stream_ttfb_added_ms"), "<=", 1.0), (r.get("chunks_per_s"), ">=", 100_000),
+              (r.get("kib_per_idle_stream"), "<=", 20.0)]
+    out = []
+    for text, (value, op, limit) in zip(GOALS, checks, strict=True):
+        met = None if value is None else (value >= limit if op == ">=" else value <= limit)
+        out.append({"goal": text, "value": value, "met": met})
+    return out
+
+
+def _n(v: float | None, digits: int = 0) -> str:
+    return "—" if v is None else f"{v:,.{digits}f}"
+
+
+def _signed(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.2f} ms"
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def render(result: dict) -> str:
+    c = result["config"]["concurrency"]
+    rows = [f"| | c=1 req/s (p50 ms) | c={c} req/s (p50 ms) | stream TTFB p50 | chunks/s, one core "
+            f"| KiB per idle stream |", "|---|---|---|---|---|---|"]
+    for t in result["targets"].values():
+        s = t["summary"]
+        rows.append(f"| {t['label']} | {_n(s['c1_req_per_s'])} ({_n(s['c1_p50_ms'], 2)}) "
+                    f"| {_n(s['high_req_per_s'])} ({_n(s['high_p50_ms'], 2)}) "
+                    f"| {_n(s['stream_ttfb_p50_ms'], 2)} ms | {_n(s['chunks_per_s'])} "
+                    f"| {_n(s['kib_per_idle_stream'], 1)} |")
+    for key, label in (("router_vs_direct", "this router vs direct"), ("router_vs_peer", f"this router vs {PEER}")):
+        r = result.get(key)
+        if r:
+            rows.append(f"| {label} | {_x(r['c1_req_per_s_ratio'])} ({_signed(r['c1_p50_added_ms'])}) "
+                        f"| {_x(r['high_req_per_s_ratio'])} | {_signed(r['stream_ttfb_added_ms'])} "
+                        f"| {_x(r['chunks_per_s_ratio'])} | {_x(r['kib_per_idle_stream_ratio'])} |")
+    lines = ["\n".join(rows), ""]
+    lines += [f"note: {n}" for n in result["notes"]]
+    for g in result["goals"]:
+        verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
+        value = "" if g["value"] is None else f" ({g['value']:,})"
+        lines.append(f"goal (issue 11): {g['goal']}: {verdict}{value}")
+    return "\n".join(lines)
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, exit 2: a bad flag is the user's to fix, not a usage block to read.
+        self.exit(2, f"bench overhead: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="spec-bench overhead",
+        description="Measure what a proxy adds on this machine: request rate at c=1 and high concurrency over "
+                    "keep-alive connections, added p50, stream time to first byte with a paced backend, chunks/s "
+                    "through one proxy core, proxy memory per open idle stream. Targets: direct to a fast fake "
+                    f"SGLang backend, this router, and {PEER} when installed (pip install 'spec-router[peers]').")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds measured per point (default 3)")
+    p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each point (default 0.5)")
+    p.add_argument("--concurrency", type=int, default=64, help="the high concurrency level (default 64)")
+    p.add_argument("--pace-ms", type=float, default=5.0, help="gap between tokens of the TTFB stream (default 5)")
+    p.add_argument("--stream-tokens", type=int, default=8, help="tokens per TTFB stream (default 8)")
+    p.add_argument("--long-tokens", type=int, default=4000, help="tokens per long stream (default 4000)")
+    p.add_argument("--long-streams", type=int, default=8, help="concurrent long streams (default 8)")
+    p.add_argument("--idle-streams", type=int, default=500, help="open idle streams for memory (default 500; 0: skip)")
+    p.add_argument("--targets", default=f"direct,router,{PEER}", help=f"comma list of direct,router,{PEER}")
+    p.add_argument("--points", default=",".join(POINTS),
+                   help=f"comma list of {','.join(POINTS)} (default all; fewer: a quicker look at one figure)")
+    p.add_argument("--router-policy", default="spillover", help="this router's policy (default spillover)")
+    p.add_argument("--peer-policy", default="cache_aware", help=f"{PEER}'s policy (default: its own, cache_aware)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write every figure as JSON here")
+    return p
+
+
+def _check(ns: argparse.Namespace) -> str | None:
+    if ns.duration <= 0 or ns.warmup < 0:
+        return "--duration must be > 0 and --warmup >= 0"
+    if min(ns.concurrency, ns.stream_tokens, ns.long_tokens, ns.long_streams) < 1 or ns.idle_streams < 0:
+        return "--concurrency, --stream-tokens, --long-tokens, --long-streams must be >= 1, --idle-streams >= 0"
+    if ns.pace_ms < 0:
+        return "--pace-ms must be >= 0"
+    bad = set(ns.targets) - {"direct", "router", PEER}
+    if bad or not ns.targets:
+        return f"--targets: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from direct,router,{PEER}"
+    bad = set(ns.points) - set(POINTS)
+    if bad or not ns.points:
+        return f"--points: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from {','.join(POINTS)}"
+    return None
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def run(ns: argparse.Namespace) -> dict:
+    from bench.stress import raise_fd_limit, run_async
+
+    raise_fd_limit(4 * ns.idle_streams + 4 * ns.concurrency + 256)
+    cpus = plan_cpus(not ns.no_pin)
+    notes = []
+    wanted = list(ns.targets)
+    if PEER in wanted and importlib.util.find_spec(PEER_MODULE) is None:
+        wanted.remove(PEER)
+        notes.append(f"{PEER}: skipped (not installed; pip install 'spec-router[peers]')")
+    targets: dict[str, Target] = {}
+    with procs.ProcGroup() as group, tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        with pinned(cpus["backend"]):
+            backend = group.add(procs.start("fast backend", ["bench.fastbackend", "--port", "0"]))
+        for name in wanted:
+            log = None
+            if name == "direct":
+                targets[name] = Target(name, "direct to the backend", backend.url)
+                continue
+            with pinned(cpus["proxy"]):
+                if name == "router":
+                    proc = group.add(procs.start_router([backend.url], [], ns.router_policy, 10**6, extra=[
+                        "--log-level", "warning"]))
+                    label = f"this router ({ns.router_policy})"
+                else:
+                    log = Path(tmp) / "sglang-router.log"
+                    proc = group.add(start_peer(backend.url, ns.peer_policy, log))
+                    label = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})"
+            targets[name] = Target(name, label, proc.url, proc.pid)
+            # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
+            try:
+                run_async(_measure_pinned(targets[name], backend.url, ns, cpus["load"], proc.proc, log))
+            finally:
+                group.stop(proc)
+        if "direct" in targets:
+            run_async(_measure_pinned(targets["direct"], backend.url, ns, cpus["load"], None))
+    summaries = {n: summary(t.figures, ns.concurrency) for n, t in targets.items()}
+    vs_direct = compare(summaries["router"], summaries["direct"]) if {"router", "direct"} <= set(targets) else None
+    vs_peer = compare(summaries["router"], summaries[PEER]) if {"router", PEER} <= set(targets) else None
+    layout = ("no pinning" if cpus["proxy"] is None else
+              f"proxy pinned to cpu {sorted(cpus['proxy'])}, backend to {sorted(cpus['backend'])}, "
+              f"load generator to {sorted(cpus['load'])}")
+    notes += [f"{os.cpu_count()} cores; {layout}; one fake SGLang backend (bench.fastbackend); "
+              f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections",
+              f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, c=1; chunks/s: "
+              f"{ns.long_streams} streams of {ns.long_tokens} tokens as fast as the backend writes them "
+              f"(SSE events received by the client per second); memory: proxy RSS growth from {ns.idle_streams // 2} "
+              f"to {2 * (ns.idle_streams // 2)} open streams after their first token, per stream"]
+    errors = {n: sum(v.get("errors", 0) for v in t.figures.values()) for n, t in targets.items()}
+    if any(errors.values()):
+        notes.append("errors during measurement: " + ", ".join(f"{n} {e}" for n, e in errors.items() if e))
+    return {"config": {"duration_s": ns.duration, "warmup_s": ns.warmup, "concurrency": ns.concurrency,
+                       "pace_ms": ns.pace_ms, "stream_tokens": ns.stream_tokens, "long_tokens": ns.long_tokens,
+                       "long_streams": ns.long_streams, "idle_streams": ns.idle_streams,
+                       "points": ns.points, "router_policy": ns.router_policy, "peer_policy": ns.peer_policy,
+                       "cpus": {k: sorted(v) if v else None for k, v in cpus.items()}, "cores": os.cpu_count(),
+                       "peer_version": _version(PEER) if PEER in targets else None},
+            "targets": {n: {"label": t.label, "summary": summaries[n], "figures": t.figures}
+                        for n, t in targets.items()},
+            "router_vs_direct": vs_direct, "router_vs_peer": vs_peer,
+            "goals": goals(summaries, vs_direct, vs_peer) if "router" in targets else [], "notes": notes}
+
+
+async def _measure_pinned(t: Target, backend_url: str, ns: argparse.Namespace, cpus: set[int] | None,
+                          proc: subprocess.Popen | None, log: Path | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    await wait_routes(t.url, proc, log)
+    t.figures = await measure(t, backend_url, ns)
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
+    ns = p.parse_args(argv)
+    ns.targets = [x.strip() for x in ns.targets.split(",") if x.strip()]
+    ns.points = [x.strip() for x in ns.points.split(",") if x.strip()]
+    if (problem := _check(ns)) is not None:
+        print(f"bench overhead: {problem}", file=sys.stderr)
+        return 2
+    try:
+        result = run(ns)
+    except (OverheadError, procs.ProcError) as exc:
+        print(f"bench overhead: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench overhead: interrupted", file=sys.stderr)
+        return 130
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(render(result))
+    if ns.json:
+        print(f"data: {ns.json}")
+    return 0
