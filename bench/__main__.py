@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bench.demo", "the same 8 simulated GPUs four ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
+    "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.

@@ -12,12 +12,13 @@ from router import exchange, handlers, introspect, policy
 from router.accept import Acceptor, listen_socket
 from router.adaptive import Adaptive
 from router.curves import fit_token_time
+from router.discovery import Discovery, Resolver, static_entries
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.loads import LoadPoller
 from router.metrics import Metrics
 from router.policy import Policy
-from router.pools import Pools
+from router.pools import Backend, Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
 from router.upstream import Limits, make_session
@@ -25,18 +26,23 @@ from router.upstream import Limits, make_session
 log = logging.getLogger("router")
 
 
-def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> web.Application:
+def build_app(settings: Settings, registry: CollectorRegistry | None = None,
+              resolver: Resolver | None = None) -> web.Application:
+    """The router app; `resolver` replaces the system DNS resolver for `discovery: dns` (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
-    pools = Pools(settings.speculative, settings.baseline, policy=make_policy(settings),
-                  threshold=settings.threshold, metrics=metrics, outlier_cfg=settings.outlier(),
+    # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
+    pools = Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
+                  policy=make_policy(settings), threshold=settings.threshold, metrics=metrics,
+                  outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
     for b in pools.backends:
         metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting[u])
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
-                     api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None)
+                     api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
+                     resolver=resolver)
     app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
@@ -52,6 +58,8 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None) -> 
     app.on_shutdown.append(_stop_accepting)
     app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
+    if settings.discovery == "dns":
+        app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
     if settings.load_signal == "backend":
         app.cleanup_ctx.append(_loads_ctx)
@@ -112,6 +120,24 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     # Runs after the drain: no handler uses the session any more.
     await st.session.close()
+
+
+async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    st = app[STATE]
+
+    async def probe_new(b: Backend) -> None:
+        # Its connection limit first: a newcomer is not routable before this probe passes.
+        st.limits.add(b.url)
+        st.metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: st.limits.waiting[u])
+        if st.health is not None and st.health.session is not None:
+            await st.health.probe(b)
+
+    st.discovery = Discovery(st.pools, st.settings, st.metrics, st.resolver, on_added=probe_new)
+    # The first answer before the first health round, so that round already probes the discovered backends.
+    await st.discovery.refresh()
+    st.discovery.start()
+    yield
+    await st.discovery.stop()
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -57,6 +57,11 @@ class Metrics:
                                    ["pool", "backend"], registry=registry)
         self.health_probes = Counter("router_health_probes_total", "Active health probes by outcome",
                                      ["backend", "result"], registry=registry)
+        self.discovery_failures = Counter("router_discovery_failures_total",
+                                          "DNS re-resolutions of a pool entry that failed or returned no address",
+                                          ["pool"], registry=registry)
+        self.backends = Gauge("router_backends", "Backends currently configured or discovered per pool",
+                              ["pool"], registry=registry)
         self.upstream_wait = Histogram("router_upstream_wait_seconds",
                                        "Time requests waited for a place under max_connections_per_backend "
                                        "(only requests that waited)", ["pool"], buckets=_LATENCY, registry=registry)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from router import outlier
 from router.adaptive import Adaptive
@@ -29,7 +29,7 @@ class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
-                 "reported", "_inflight_at_report", "outlier", "outlier_cfg")
+                 "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -46,6 +46,8 @@ class Backend:
         self._inflight_at_report = 0
         self.outlier = OutlierState()  # passive ejection, driven by Pools.report_attempt
         self.outlier_cfg = outlier_cfg or OutlierConfig()
+        # Set by Pools.remove_backend while leases are still out: called when the last one is released.
+        self.on_drained: Callable[[Backend], None] | None = None
 
     @property
     def inflight(self) -> int:
@@ -78,6 +80,8 @@ class Backend:
             # then keep the backend routable rather than idle-looking for ever.
             log.error("in-flight count of backend %s went below 0: a lease was released twice", self.url)
             self._inflight = 0
+        if self._inflight == 0 and self.on_drained is not None:
+            self.on_drained(self)
 
     @property
     def routable(self) -> bool:
@@ -144,6 +148,9 @@ class Pools:
                  curves: tuple[CurvePoints, CurvePoints] | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
         keys = keys or {}
+        self._keys = keys
+        # Removed backends whose leases are still out (router.discovery): kept only until the last release.
+        self.draining: dict[str, Backend] = {}
         self.outlier_cfg = outlier_cfg or OutlierConfig()
         self.backends: list[Backend] = [Backend(u, "speculative", keys.get("speculative"), self.outlier_cfg)
                                         for u in speculative]
@@ -162,19 +169,24 @@ class Pools:
     def _bind_metrics(self, metrics: Metrics) -> None:
         # Gauges read the live values at scrape time, so they can never drift from the counts.
         for b in self.backends:
-            metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
-            metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.state() in _IN else 0.0)
-            for state in STATES:
-                metrics.backend_state.labels(b.pool, b.url, state).set_function(
-                    lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
-            for reason in EJECT_REASONS:
-                metrics.ejections.labels(b.pool, b.url, reason)
+            self._bind_backend(metrics, b)
         metrics.threshold.set(self.threshold)
         for pool in POOLS:
+            metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in self.backends))
             metrics.duration.labels(pool)
             metrics.disconnects.labels(pool)
         if isinstance(self.policy, Adaptive):
             metrics.bind_adaptive(self.policy, self.view)
+
+    @staticmethod
+    def _bind_backend(metrics: Metrics, b: Backend) -> None:
+        metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
+        metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.state() in _IN else 0.0)
+        for state in STATES:
+            metrics.backend_state.labels(b.pool, b.url, state).set_function(
+                lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
+        for reason in EJECT_REASONS:
+            metrics.ejections.labels(b.pool, b.url, reason)
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -270,3 +282,65 @@ class Pools:
         """Called with each /v1/loads answer of a backend (load_signal backend)."""
         if isinstance(self.policy, Adaptive):
             self.policy.observe_loads(backend.url, backend.pool, figs)
+
+    # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
+    # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.
+    def add_backend(self, url: str, pool: str) -> Backend:
+        """A new instance of `pool`; not routable until a health probe passes. A draining one comes back."""
+        b = self.by_url.get(url)
+        if b is not None:
+            return b
+        b = self.draining.pop(url, None)
+        if b is not None and b.pool == pool:
+            b.on_drained = None
+        else:
+            if b is not None:  # the address moved to the other pool: the old entry's leases just run out
+                b.on_drained = None
+                self._forget(b)
+            b = Backend(url, pool, self._keys.get(pool), self.outlier_cfg)
+            if self.metrics is not None:
+                self._bind_backend(self.metrics, b)
+        self._set_members([*self.backends, b])
+        return b
+
+    def remove_backend(self, url: str) -> None:
+        """Stop routing to `url` now; with leases still out it drains and is dropped at the last release."""
+        b = self.by_url.get(url)
+        if b is None:
+            return
+        self._set_members([x for x in self.backends if x is not b])
+        if b.inflight == 0:
+            self._forget(b)
+        else:
+            self.draining[url] = b
+            b.on_drained = self._drained
+
+    def _set_members(self, backends: list[Backend]) -> None:
+        # The policy's view is rebuilt with the list: it groups the live backends by pool once per change.
+        self.backends = backends
+        self.by_url = {b.url: b for b in backends}
+        self.view = View.of(backends)
+        if self.metrics is not None and isinstance(self.policy, Adaptive):
+            self.metrics.bind_adaptive(self.policy, self.view)  # its gauges read the pools' members
+
+    def _drained(self, b: Backend) -> None:
+        if self.draining.get(b.url) is b:
+            del self.draining[b.url]
+            b.on_drained = None
+            self._forget(b)
+
+    def _forget(self, b: Backend) -> None:
+        # Gauges of a gone instance would report its last value for ever; counters keep their history.
+        m = self.metrics
+        if m is None:
+            return
+        for gauge in (m.inflight, m.backend_up, m.reported_load, m.upstream_waiting):
+            try:
+                gauge.remove(b.pool, b.url)
+            except KeyError:
+                pass
+        for state in STATES:
+            try:
+                m.backend_state.remove(b.pool, b.url, state)
+            except KeyError:
+                pass

@@ -134,6 +134,11 @@ class Settings(BaseSettings):
         "/v1/loads (running + waiting), for several router replicas in front of the same backends")
     load_interval: float = Field(1.0, gt=0, description="seconds between /v1/loads polls (load_signal backend)")
 
+    discovery: Literal["off", "dns"] = Field(
+        "off", description="dns: a backend entry whose host is a DNS name (a headless Service) becomes one backend "
+        "per address it resolves to, re-resolved every discovery_interval; off: entries are used as given")
+    discovery_interval: float = Field(10.0, gt=0, description="seconds between DNS re-resolutions (discovery dns)")
+
     host: str = Field("127.0.0.1", description="listen address")
     port: int = Field(8000, ge=0, le=65535, description="listen port (0 picks a free one)")
     metrics_host: str | None = Field(None, description="serve /metrics only on this separate address")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from router.discovery import Discovery, Resolver
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.pools import Pools
@@ -26,6 +27,8 @@ class RouterState:
     # Open proxied exchanges (router.exchange.Exchange): those left when the drain ends get an explicit error.
     exchanges: set = field(default_factory=set, repr=False)
     acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
+    resolver: Resolver | None = field(default=None, repr=False)  # discovery's DNS seam (None: the system's)
+    discovery: Discovery | None = None
 
 
 STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

@@ -106,3 +106,10 @@ class Limits:
     def __init__(self, urls: list[str], per_backend: int) -> None:
         self.slots = {u: asyncio.Semaphore(per_backend) for u in urls}
         self.waiting = dict.fromkeys(urls, 0)
+        self.per_backend = per_backend
+
+    def add(self, url: str) -> None:
+        """A backend that joined at run time (router.discovery); its slots outlive a leave, so leases of a
+        draining backend still release into them."""
+        self.slots.setdefault(url, asyncio.Semaphore(self.per_backend))
+        self.waiting.setdefault(url, 0)

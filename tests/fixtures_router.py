@@ -60,18 +60,20 @@ class RouterHandle:
 
 @pytest.fixture
 async def router_factory(caplog):
-    """`await router_factory(speculative=[url], baseline=[url], wait_ready=True, **settings) -> RouterHandle`.
+    """`await router_factory(speculative=[url], baseline=[url], wait_ready=True, resolver=None, **settings)`.
 
+    `resolver` replaces DNS for `discovery="dns"` (router.discovery.Resolver); returns a RouterHandle.
     Teardown fails the test if any in-flight count went below 0 (router.pools logs it as an error)."""
     handles: list[RouterHandle] = []
 
-    async def make(speculative=(), baseline=(), *, wait_ready: bool = True, **settings) -> RouterHandle:
+    async def make(speculative=(), baseline=(), *, wait_ready: bool = True, resolver=None,
+                   **settings) -> RouterHandle:
         values = {**TEST_DEFAULTS, "host": "127.0.0.1", "port": 0, **settings}
         values["speculative"] = ",".join(speculative)
         values["baseline"] = ",".join(baseline)
         s = load_settings(None, values, environ={})
         registry = CollectorRegistry()
-        app = build_app(s, registry)
+        app = build_app(s, registry, resolver=resolver)
         runner, url = await start(app, s.host, s.port)
         handle = RouterHandle(url=url, app=app, settings=s, registry=registry, runner=runner)
         handles.append(handle)
