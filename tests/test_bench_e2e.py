@@ -108,7 +108,8 @@ def test_compare_bad_flags(capsys):
 
 
 def test_demo_small(tmp_path, capsys):
-    rc = demo.main(["--concurrency", "1,2", "--max-tokens", "16", "--speedup", str(FAST), "--out", str(tmp_path)])
+    # clocks only 10x fast: at 50x the HTTP overhead of a busy machine is as large as the steps compared
+    rc = demo.main(["--concurrency", "1,2", "--max-tokens", "16", "--speedup", "10", "--out", str(tmp_path)])
     cap = capsys.readouterr()
     out = cap.out
     assert rc == 0, cap.err

@@ -108,14 +108,16 @@ def test_global_threshold_where_the_curves_cross():
 
 
 def test_compare_with_references_end_to_end(tmp_path, capsys):
-    # A split of two TP4 simulators against one TP8 baseline simulator (clearly faster at one stream) and a
-    # TP8-labelled simulator that is far slower: the fast one must win the verdict, the slow one never.
-    slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"name": "slow", "decode_a_ms": 400.0, "decode_b_ms": 5.0, "tp_size": 8}))
+    # A split of two TP4 simulators against a TP8 simulator several times faster per step and a TP8 one far
+    # slower: the fast one must win the verdict, the slow one never. The gaps are wide, and the clock slow
+    # enough, that HTTP and router overhead on a busy machine cannot reorder them.
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    fast.write_text(json.dumps({"name": "fast", "decode_a_ms": 2.0, "decode_b_ms": 0.1, "tp_size": 8}))
+    slow.write_text(json.dumps({"name": "slow", "decode_a_ms": 300.0, "decode_b_ms": 5.0, "tp_size": 8}))
     rc = compare.main(["--speculative-profile", "eagle3-tp4", "--baseline-profile", "baseline-tp4",
-                       "--reference", "tp8=profile:baseline-tp8", "--reference", f"slow=profile:{slow}",
+                       "--reference", f"tp8=profile:{fast}", "--reference", f"slow=profile:{slow}",
                        "--configs", "balanced", "--concurrency", "1,2", "--requests-per-level", "3",
-                       "--max-tokens", "12", "--speedup", str(FAST), "--out", str(tmp_path), "--name", "eq"])
+                       "--max-tokens", "16", "--speedup", "10", "--out", str(tmp_path), "--name", "eq"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     data = json.loads((tmp_path / "eq.json").read_text())
