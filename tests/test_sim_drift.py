@@ -89,10 +89,11 @@ async def test_drift_admin_endpoint(sim_factory):
             async with s.post(spec.url + "/v1/chat/completions", json=chat) as r:
                 assert r.status == 200
 
-        await asyncio.gather(*(one() for _ in range(8)))
+        await asyncio.gather(*(one() for _ in range(12)))
         async with s.get(spec.url + "/v1/loads") as r:
             length = (await r.json())["loads"][0]["speculative"]["accept_length"]
-            assert 1.3 < length < 1.9  # what SGLang reports follows the drift (2.5 before it)
+            # what SGLang reports follows the drift (2.5 before it; each request's own length spreads around 1.6)
+            assert 1.1 < length < 2.0
         async with s.get(spec.url + "/_sim/stats") as r:
             stats = await r.json()
             assert stats["drift_changes"] == 2

@@ -27,7 +27,8 @@ def req(profile, prompt="hello", **kw):
 
 
 def test_builtin_profiles_load_and_eagle_is_capped_at_48():
-    assert {"baseline-tp8", "eagle3-tp8", "baseline-tp4", "eagle3-tp4", "eagle3-good-tp8"} <= set(builtin_names())
+    assert {"baseline-tp8", "eagle3-tp8", "baseline-tp4", "eagle3-tp4", "eagle3-good-tp8", "eagle3-good-tp4"} <= set(
+        builtin_names())
     for name in builtin_names():
         p = load_profile(name)
         assert p.step_ms(1) > 0 and p.step_ms(p.max_running_requests + 10) >= p.step_ms(p.max_running_requests)
@@ -209,3 +210,106 @@ def test_cli_port_in_use_is_exit_2_in_a_real_process():
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "cannot listen" in r.stderr
+
+
+def test_tp4_profiles_are_derived_from_the_tp8_fits():
+    from bench.sim.profiles import tp4_estimate
+
+    for tp4, tp8 in (("baseline-tp4", "baseline-tp8"), ("eagle3-tp4", "eagle3-tp8"),
+                     ("eagle3-good-tp4", "eagle3-good-tp8")):
+        shipped = load_profile(tp4)
+        assert shipped == tp4_estimate(load_profile(tp8), tp4, shipped.description), tp4
+        assert shipped.tp_size == 4 and "ESTIMATE" in shipped.description
+
+
+def test_decode_step_grows_with_the_kv_the_batch_holds():
+    p = load_profile("baseline-tp8")
+    engine = Engine(p)
+    short = [build_request(f"s{i}", f"s{i}", 100, profile=p, seed=0, max_tokens=10, stop=[], ignore_eos=True,
+                           stream=True) for i in range(8)]
+    long = [build_request(f"l{i}", f"l{i}", 30_000, profile=p, seed=0, max_tokens=10, stop=[], ignore_eos=True,
+                          stream=True) for i in range(8)]
+    assert engine.step_ms(short) == pytest.approx(p.step_ms(8) + p.kv_ms_per_ktoken * 0.8)
+    # eight 30k-token contexts: attention reads 240k tokens each step, a quarter more than the batch-size curve
+    assert engine.step_ms(long) == pytest.approx(p.step_ms(8) + p.kv_ms_per_ktoken * 240)
+    assert engine.step_ms(long) > 1.2 * engine.step_ms(short)
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_that_delay_the_running_batch():
+    p = load_profile("baseline-tp8")
+    engine = Engine(p, speedup=1000.0)
+    engine.start()
+    try:
+        running = build_request("a", "a", 20, profile=p, seed=0, max_tokens=500, stop=[], ignore_eos=True,
+                                stream=True)
+        engine.submit(running)
+        await running.outbox.get()
+        await running.outbox.get()  # decoding now
+        long = build_request("b", "b", 30_000, profile=p, seed=0, max_tokens=1, stop=[], ignore_eos=True,
+                             stream=True)
+        seen = {}
+        # the long request finishes with its first token: snapshot the engine in that very step
+        engine.on_finish = lambda req: seen.setdefault(req.rid, (engine.steps_total, engine.busy_s, running.generated))
+        steps, busy, generated = engine.steps_total, engine.busy_s, running.generated
+        engine.submit(long)
+        await long.outbox.get()
+        steps_then, busy_then, generated_then = seen["b"]
+        chunks = -(-30_000 // p.chunked_prefill_size)  # 4 chunks of at most 8192 tokens
+        # the step in flight when it arrived (already counted in busy_s), then one step per chunk; its first
+        # token came with the last chunk
+        assert steps_then - steps == 1 + chunks
+        # the running request kept decoding meanwhile (its token of that last step comes just after) ...
+        assert generated_then - generated == chunks
+        decode = sum(p.step_ms(1) + p.kv_ms_per_ktoken * (20 + generated + 1 + i) / 1000 for i in range(chunks))
+        prefill = chunks * p.prefill_base_ms + 30_000 * p.prefill_ms_per_token
+        # ... but each of those steps also carried a chunk of the prefill (simulated seconds)
+        assert busy_then - busy == pytest.approx((decode + prefill) / 1000, rel=1e-6)
+    finally:
+        await engine.close()
+
+
+def test_each_request_draws_its_own_accept_length_around_its_class_mean():
+    from bench.sim.engine import request_accept_length
+
+    p = load_profile("eagle3-tp8")
+    engine = Engine(p)
+    general = [build_request(f"g{i}", f"Why is the sky blue? {i}", 5, profile=p, seed=0, max_tokens=5, stop=[],
+                             ignore_eos=True, stream=True) for i in range(400)]
+    coding = [build_request(f"c{i}", f"Write a Python function {i}", 5, profile=p, seed=0, max_tokens=5, stop=[],
+                            ignore_eos=True, stream=True) for i in range(400)]
+
+    def lengths(reqs):
+        return [request_accept_length(p, engine.mean_accept_length(r.coding), r.accept_z) for r in reqs]
+
+    g, c = lengths(general), lengths(coding)
+    assert len(set(g)) > 50 and min(g) >= 1.0 and max(c) <= 3.0
+    assert sum(g) / len(g) == pytest.approx(2.5, abs=0.05)
+    assert sum(c) / len(c) == pytest.approx(2.61, abs=0.06)  # a little below: clipped at num_steps + 1
+    sd = (sum((x - 2.5) ** 2 for x in g) / len(g)) ** 0.5
+    assert sd == pytest.approx(p.accept_length_spread, rel=0.2)
+    # the same prompt and seed always draw the same length
+    assert general[0].accept_z == build_request("x", general[0].prompt_text, 5, profile=p, seed=0, max_tokens=5,
+                                                stop=[], ignore_eos=True, stream=True).accept_z
+
+
+async def test_long_contexts_slow_a_loaded_server_down():
+    """Closed loop at 32 clients: 16k-token prompts make every decode step read more KV than 23-token ones."""
+    p = load_profile("baseline-tp8")
+
+    async def tokens_per_sim_second(prompt_tokens: int) -> float:
+        engine = Engine(p, speedup=1000.0)
+        engine.start()
+        try:
+            reqs = [build_request(f"r{i}", f"p{i}", prompt_tokens, profile=p, seed=0, max_tokens=200, stop=[],
+                                  ignore_eos=True, stream=True) for i in range(32)]
+            for r in reqs:
+                engine.submit(r)
+            for r in reqs:
+                while not (await r.outbox.get())[1]:
+                    pass
+            return 32 * 200 / engine.busy_s
+        finally:
+            await engine.close()
+
+    short, long = await tokens_per_sim_second(23), await tokens_per_sim_second(16_000)
+    assert long < 0.9 * short

@@ -121,6 +121,10 @@ def test_fresh_install_as_the_readme_says(tmp_path):
         assert line in steps
         r = sh(line, 60)
         assert r.returncode == 0 and "usage:" in r.stdout, (line, r.stderr[-1000:])
+    # Without any extra every command still explains itself (optional imports are lazy).
+    for name in bench_main.COMMANDS:
+        r = sh(f"spec-bench {name} --help", 60)
+        assert r.returncode == 0 and "usage:" in r.stdout, (name, r.stderr[-1000:])
     demo = next(s for s in steps if s.startswith("spec-bench demo"))
     # Before the bench extra: one line that says which extra, no traceback, nothing started.
     r = sh(demo, 60)

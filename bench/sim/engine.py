@@ -48,6 +48,8 @@ def is_coding(text: str) -> bool:
 
 
 PROMPT_MIXES = ("coding", "chat")
+# a request's accept length is drawn as class mean + z * profile.accept_length_spread, z ~ N(0, 1) within +-2
+ACCEPT_Z_CLIP = 2.0
 # how many recent verify steps SGLang-style accept-length figures average over (its decode log interval)
 ACCEPT_WINDOW_STEPS = 40
 
@@ -65,6 +67,12 @@ def _accept_rate(mean_len: float, steps: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def request_accept_length(profile: Profile, mean: float, z: float) -> float:
+    """One request's mean accept length: its class mean moved by z spreads, within [1, num_steps + 1]."""
+    length = mean + z * profile.accept_length_spread
+    return round(max(1.0, min(float(profile.max_accept), length)), 3)  # rounded: the rate cache stays small
 
 
 class Outbox:
@@ -118,6 +126,9 @@ class SimRequest:
     accept_rate: float
     rng: random.Random
     coding: bool = False  # prompt class: code accepts more draft tokens
+    accept_z: float = 0.0  # where this request's accept length sits around its class mean (in spreads)
+    prefill_left: int = 0  # prompt tokens still to prefill (chunked prefill spreads a long prompt over steps)
+    prefilled: bool = False
     stream: bool = False
     generated: int = 0
     emitted_chars: int = 0
@@ -179,12 +190,14 @@ def build_request(
     elif eos_first:
         tokens.append("")  # the EOS token: counted in completion_tokens, never shown
     coding = is_coding(prompt_text)
+    # this request's own acceptance, drawn around its class mean (clipped: no request is an extreme outlier)
+    accept_z = max(-ACCEPT_Z_CLIP, min(ACCEPT_Z_CLIP, rng.gauss(0.0, 1.0)))
     kind_len = profile.accept_length_coding if coding else profile.accept_length_general
     rate = _accept_rate(kind_len, profile.speculative_num_steps) if profile.speculative else 0.0
     return SimRequest(
         rid=rid, prompt_text=prompt_text, prompt_tokens=prompt_tokens, tokens=tokens,
         finish_reason=finish_reason, matched_stop=matched, text=text, accept_rate=rate, rng=rng,
-        stream=stream, coding=coding,
+        stream=stream, coding=coding, accept_z=accept_z,
     )
 
 
@@ -286,9 +299,11 @@ class Engine:
         return p.accept_length_coding if coding else p.accept_length_general
 
     def _rate_for(self, req: SimRequest) -> float:
-        if not self.profile.speculative:
+        p = self.profile
+        if not p.speculative:
             return 0.0
-        return _accept_rate(self.mean_accept_length(req.coding), self.profile.speculative_num_steps)
+        length = request_accept_length(p, self.mean_accept_length(req.coding), req.accept_z)
+        return _accept_rate(length, p.speculative_num_steps)
 
     def drift(self) -> dict:
         return {"accept_length": self.drift_accept_length, "prompt_mix": self.drift_prompt_mix,
@@ -381,15 +396,16 @@ class Engine:
                 if self.gpu is not None:
                     self.gpu.ready(self, deadline)
             admitted = self._admit()
-            decoding = list(self.running)
+            decoding = [r for r in self.running if r.prefilled]
             now = time.monotonic()
             for req in admitted:
                 req.state = "running"
                 req.admitted_at = now
                 req.accept_rate = self._rate_for(req)
+                req.prefill_left = req.prompt_tokens
                 self.running.append(req)
-            step = self.profile.step_ms(len(decoding)) if decoding else 0.0
-            step += self.profile.prefill_ms(sum(r.prompt_tokens for r in admitted))
+            prefill_tokens, prefilled = self._prefill_chunk()
+            step = self.step_ms(decoding) + self.profile.prefill_ms(prefill_tokens)
             if self.gpu is not None:
                 await self.gpu.wait_turn(self, deadline)
             deadline = self._schedule(deadline, step)
@@ -403,7 +419,37 @@ class Engine:
                 behind += 1
                 if behind % CATCH_UP_STEPS == 0:
                     await asyncio.sleep(0)
-            self._emit(admitted, decoding)
+            self._emit(prefilled, decoding)
+
+    def step_ms(self, decoding: list[SimRequest]) -> float:
+        """A decode step: the profile's curve at this batch size plus the KV the batch's attention reads."""
+        if not decoding:
+            return 0.0
+        step = self.profile.step_ms(len(decoding))
+        if self.profile.kv_ms_per_ktoken:
+            held = sum(r.prompt_tokens + r.generated for r in decoding)
+            step += self.profile.kv_ms_per_ktoken * held / 1000.0
+        return step
+
+    def _prefill_chunk(self) -> tuple[int, list[SimRequest]]:
+        """This step's prefill: up to chunked_prefill_size prompt tokens, oldest request first.
+
+        Returns (tokens prefilled now, the requests whose prefill completes in this step)."""
+        budget = self.profile.chunked_prefill_size
+        tokens, done = 0, []
+        for req in self.running:
+            if req.prefilled:
+                continue
+            if req.prefill_left and not budget:
+                break
+            take = min(req.prefill_left, budget)
+            req.prefill_left -= take
+            budget -= take
+            tokens += take
+            if not req.prefill_left:
+                req.prefilled = True
+                done.append(req)
+        return tokens, done
 
     def _admit(self) -> list[SimRequest]:
         """Waiting requests (first come, first served) that fit in a batch slot and in the KV capacity."""

@@ -8,8 +8,9 @@ import json
 import sys
 from functools import lru_cache
 from pathlib import Path
+from statistics import NormalDist
 
-from bench.sim.engine import _accept_rate
+from bench.sim.engine import ACCEPT_Z_CLIP, _accept_rate, request_accept_length
 from bench.sim.profiles import EAGLE_DEFAULT_MAX_RUNNING, Profile, ProfileError, load_profile
 
 # caps tried for a server whose --max-running-requests the table does not say (the best fit wins)
@@ -33,14 +34,36 @@ def expected_steps(tokens: int, accept_length: float, num_steps: int) -> float:
     return e[tokens]
 
 
+# equally likely z values of a request's accept length around its class mean (the engine's clipped normal)
+_Z_POINTS = 16
+_ZS = tuple(max(-ACCEPT_Z_CLIP, min(ACCEPT_Z_CLIP, NormalDist().inv_cdf((i + 0.5) / _Z_POINTS)))
+            for i in range(_Z_POINTS))
+
+
+def mean_steps(profile: Profile, tokens: int, accept_length: float) -> float:
+    """Expected decode steps for `tokens` tokens, averaged over the requests' own accept lengths."""
+    if not profile.speculative or accept_length <= 1.0:
+        return float(tokens)
+    if not profile.accept_length_spread:
+        return expected_steps(tokens, accept_length, profile.speculative_num_steps)
+    return sum(expected_steps(tokens, request_accept_length(profile, accept_length, z), profile.speculative_num_steps)
+               for z in _ZS) / len(_ZS)
+
+
+def kv_ms(profile: Profile, n: int, max_tokens: int, prompt_tokens: float) -> float:
+    """The KV-read part of a decode step of n requests, each holding its prompt and on average half its output."""
+    return profile.kv_ms_per_ktoken * n * (prompt_tokens + max_tokens / 2.0) / 1000.0
+
+
 def predict(profile: Profile, concurrency: int, max_tokens: int, prompt_tokens: float,
             accept_length: float | None = None) -> float:
     """Closed-loop output throughput (tok/s) the engine model gives at this concurrency."""
     n = min(concurrency, profile.max_running_requests)
     length = accept_length or (profile.accept_length_general if profile.speculative else 1.0)
-    steps = 1 + expected_steps(max_tokens - 1, length, profile.speculative_num_steps)
+    steps = 1 + mean_steps(profile, max_tokens - 1, length)
     # each request's cycle holds its own decode steps plus one admission (prefill) per batch slot
-    cycle_ms = steps * profile.step_ms(n) + n * profile.prefill_ms(int(round(prompt_tokens)))
+    step = profile.step_ms(n) + kv_ms(profile, n, max_tokens, prompt_tokens)
+    cycle_ms = steps * step + n * profile.prefill_ms(int(round(prompt_tokens)))
     return n * max_tokens / (cycle_ms / 1000.0)
 
 
@@ -90,12 +113,13 @@ def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
 def _solve(rows, cap, base: Profile, max_tokens, prompt_tokens, quadratic) -> Profile | None:
     """Least squares on step time (relative error) for one cap; None if no positive solution."""
     length = base.accept_length_general if base.speculative else 1.0
-    steps = 1 + expected_steps(max_tokens - 1, length, base.speculative_num_steps)
+    steps = 1 + mean_steps(base, max_tokens - 1, length)
     xs, ys = [], []
     for c, thr in rows:
         n = min(c, cap)
         cycle_ms = n * max_tokens / thr * 1000.0
-        step = (cycle_ms - n * base.prefill_ms(int(round(prompt_tokens)))) / steps
+        step = (cycle_ms - n * base.prefill_ms(int(round(prompt_tokens)))) / steps - kv_ms(base, n, max_tokens,
+                                                                                            prompt_tokens)
         if step <= 0:
             return None
         xs.append(n)
@@ -156,10 +180,10 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
     lo_n = min(min(c, cap) for c, _ in rows)
 
     length = prof.accept_length_general if prof.speculative else 1.0
-    steps = 1 + expected_steps(max_tokens - 1, length, prof.speculative_num_steps)
+    steps = 1 + mean_steps(prof, max_tokens - 1, length)
     prefill = prof.prefill_ms(int(round(prompt_tokens)))
-    # (batch size, measured) per row: the objective below is predict() without building a Profile each time
-    data = [(min(c, cap), v) for c, v in rows]
+    # (batch size, measured, kv part of the step) per row: predict() without building a Profile each time
+    data = [(min(c, cap), v, kv_ms(prof, min(c, cap), max_tokens, prompt_tokens)) for c, v in rows]
 
     def valid(a: float, b: float, q: float) -> bool:
         # the step must stay positive and not shrink as the batch grows, over the whole usable range
@@ -169,8 +193,8 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
         a, b, q = x[0], x[1], (x[2] if quadratic else 0.0)
         if not valid(a, b, q):
             return 1e9
-        return max(abs(n * max_tokens * 1000.0 / (steps * (a + b * n + q * n * n) + n * prefill) / v - 1)
-                   for n, v in data)
+        return max(abs(n * max_tokens * 1000.0 / (steps * (a + b * n + q * n * n + kv) + n * prefill) / v - 1)
+                   for n, v, kv in data)
 
     def make(x: list[float]) -> Profile | None:
         a, b, q = x[0], x[1], (x[2] if quadratic else 0.0)
@@ -192,12 +216,13 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
 def step_points(rows, prof: Profile, max_tokens: int, prompt_tokens: float) -> list[tuple[int, float]]:
     """The decode step (ms) each measured row implies at its batch size; rows sharing a batch size averaged."""
     length = prof.accept_length_general if prof.speculative else 1.0
-    steps = 1 + expected_steps(max_tokens - 1, length, prof.speculative_num_steps)
+    steps = 1 + mean_steps(prof, max_tokens - 1, length)
     by_n: dict[int, list[float]] = {}
     for c, thr in rows:
         n = min(c, prof.max_running_requests)
         cycle_ms = n * max_tokens / thr * 1000.0
-        by_n.setdefault(n, []).append((cycle_ms - n * prof.prefill_ms(int(round(prompt_tokens)))) / steps)
+        by_n.setdefault(n, []).append((cycle_ms - n * prof.prefill_ms(int(round(prompt_tokens)))) / steps
+                                      - kv_ms(prof, n, max_tokens, prompt_tokens))
     return [(n, round(sum(v) / len(v), 4)) for n, v in sorted(by_n.items())]
 
 
@@ -259,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-base-ms", type=float, help="fixed cost of a prefill (not identifiable from "
                                                          "throughput alone; default: the base profile's)")
     p.add_argument("--prefill-ms-per-token", type=float, help="prefill cost per prompt token (ms)")
+    p.add_argument("--kv-ms-per-ktoken", type=float, help="decode-step cost per 1000 tokens held by the batch "
+                                                          "(attention reads; not identifiable from a table of short "
+                                                          "prompts; default: the base profile's)")
+    p.add_argument("--accept-length-spread", type=float, help="standard deviation of each request's own accept "
+                                                              "length around its class mean (default: the base's)")
     p.add_argument("--shape", choices=["line", "points"], default="line",
                    help="line: a + b*n [+ q*n^2] (default); points: also keep the step each row implies and "
                         "interpolate between them, so the model reproduces every measured row")
@@ -301,6 +331,7 @@ def run(args: argparse.Namespace) -> tuple[Profile, list[tuple[int, float, float
     elif args.accept_length_coding is not None:
         update["accept_length_coding"] = args.accept_length_coding
     for flag, key in (("prefill_base_ms", "prefill_base_ms"), ("prefill_ms_per_token", "prefill_ms_per_token"),
+                      ("kv_ms_per_ktoken", "kv_ms_per_ktoken"), ("accept_length_spread", "accept_length_spread"),
                       ("tp", "tp_size"), ("description", "description")):
         if getattr(args, flag) is not None:
             update[key] = getattr(args, flag)

@@ -33,10 +33,16 @@ class Profile(BaseModel):
     # prefill added to the step that admits new requests: p0 + p1 * new prompt tokens (ms)
     prefill_base_ms: float = Field(default=0.0, ge=0)
     prefill_ms_per_token: float = Field(default=0.0, ge=0)
+    # attention reads the KV cache: each step also costs this much per 1000 tokens held by the decoding batch
+    kv_ms_per_ktoken: float = Field(default=0.0, ge=0)
+    # prompt tokens prefilled per step at most (SGLang --chunked-prefill-size): a longer prompt takes several
+    chunked_prefill_size: int = Field(default=8192, ge=1)
     max_running_requests: int = Field(default=1024, ge=1)
     # speculative decoding: mean accepted tokens per step (incl. the bonus token) by prompt kind
     accept_length_general: float = Field(default=1.0, ge=1.0)
     accept_length_coding: float = Field(default=1.0, ge=1.0)
+    # spread (standard deviation) of each request's own mean accept length around its class mean
+    accept_length_spread: float = Field(default=0.0, ge=0)
     speculative_num_steps: int = Field(default=2, ge=1)
     speculative_eagle_topk: int = 4
     speculative_num_draft_tokens: int = 16
@@ -88,6 +94,24 @@ class Profile(BaseModel):
 
     def prefill_ms(self, new_tokens: int) -> float:
         return self.prefill_base_ms + self.prefill_ms_per_token * new_tokens if new_tokens else 0.0
+
+
+def tp4_estimate(tp8: Profile, name: str, description: str) -> Profile:
+    """The same server on half the GPUs (TP4), estimated from a TP8 profile's fitted line, not measured.
+
+    Decode is taken as memory-bandwidth bound: the per-request and KV terms double (each GPU holds and reads
+    twice the data), the fixed term grows 1.6x (twice the weights per GPU, a cheaper all-reduce over 4 ranks),
+    prefill costs double, and 40% of the TP8 KV capacity is left after the weights. A baseline server's cap
+    halves (its measured cap bounds the batch that fits); an EAGLE server keeps SGLang's 48."""
+    return tp8.model_copy(update={
+        "name": name, "description": description, "tp_size": 4, "step_points_ms": None,
+        "decode_a_ms": round(1.6 * tp8.decode_a_ms, 4), "decode_b_ms": round(2 * tp8.decode_b_ms, 5),
+        "decode_q_ms": round(2 * tp8.decode_q_ms, 8), "kv_ms_per_ktoken": round(2 * tp8.kv_ms_per_ktoken, 6),
+        "prefill_base_ms": 2 * tp8.prefill_base_ms, "prefill_ms_per_token": round(2 * tp8.prefill_ms_per_token, 6),
+        "max_total_num_tokens": int(0.4 * tp8.max_total_num_tokens),
+        "max_running_requests": tp8.max_running_requests if tp8.speculative else tp8.max_running_requests // 2,
+        "fitted_from": f"derived from {tp8.name}",
+    })
 
 
 def _interpolate(points: list[tuple[int, float]], n: float) -> float:
