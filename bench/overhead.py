@@ -159,15 +159,16 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
     ttfbs: list[float] = []
     errors = 0
     first_error = None
+    ended = False
 
     async def worker(i: int) -> None:
         nonlocal errors, first_error
-        while time.perf_counter() < t_end:
+        while not ended and time.perf_counter() < t_end:
             conn = conns[i]
             try:
                 r = await conn.send(raw)
             except HTTPFailure as exc:
-                if time.perf_counter() >= t_end:
+                if ended or time.perf_counter() >= t_end:
                     return
                 errors += time.perf_counter() >= t_measure
                 first_error = first_error or str(exc)
@@ -186,6 +187,8 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
         before = sum(c.total_events for c in conns)
         await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
         after = sum(c.total_events for c in conns)
+        nonlocal ended
+        ended = True  # a loop timer may fire a little before t_end: what the close cuts is no error
         for c in conns:  # long streams end here, not when they would have
             c.close()
         return before, after
@@ -447,11 +450,14 @@ def run(ns: argparse.Namespace) -> dict:
               f"proxy pinned to cpu {sorted(cpus['proxy'])}, backend to {sorted(cpus['backend'])}, "
               f"load generator to {sorted(cpus['load'])}")
     notes += [f"{os.cpu_count()} cores; {layout}; one fake SGLang backend (bench.fastbackend); "
-              f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections",
-              f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, c=1; chunks/s: "
-              f"{ns.long_streams} streams of {ns.long_tokens} tokens as fast as the backend writes them "
-              f"(SSE events received by the client per second); memory: proxy RSS growth from {ns.idle_streams // 2} "
-              f"to {2 * (ns.idle_streams // 2)} open streams after their first token, per stream"]
+              f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections"]
+    how = {"stream": f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, c=1",
+           "long": f"chunks/s: {ns.long_streams} streams of {ns.long_tokens} tokens as fast as the backend writes "
+                   "them (SSE events received by the client per second)",
+           "idle": f"memory: proxy RSS growth from {ns.idle_streams // 2} to {2 * (ns.idle_streams // 2)} open "
+                   "streams after their first token, per stream"}
+    if parts := [text for point, text in how.items() if point in ns.points]:
+        notes.append("; ".join(parts))
     errors = {n: sum(v.get("errors", 0) for v in t.figures.values()) for n, t in targets.items()}
     if any(errors.values()):
         notes.append("errors during measurement: " + ", ".join(f"{n} {e}" for n, e in errors.items() if e))

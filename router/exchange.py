@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 from aiohttp import web
 
 from router import upstream
-from router.body import read_json_body, with_usage
+from router.body import read_body, with_usage
 from router.errors import (
     BadRequest,
     NoHealthyBackend,
@@ -34,7 +33,7 @@ from router.observe import (
 from router.policy import POOLS, RETRY
 from router.pools import Lease
 from router.state import STATE, RouterState
-from router.streaming import Usage, scan_usage, split_events
+from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
 from router.watchdog import Watchdog
 
@@ -111,7 +110,8 @@ class Exchange:
         return {POOL_HEADER: self.lease.backend.pool, BACKEND_HEADER: self.lease.backend.url}
 
     def upstream_failed(self, err: UpstreamError) -> None:
-        self.st.metrics.upstream_errors.labels(self.lease.backend.url, err.kind).inc()
+        m = self.st.metrics
+        m.child(m.upstream_errors, self.lease.backend.url, err.kind).inc()
         self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
 
     async def start(self, path: str, body: bytes, stream: bool
@@ -163,7 +163,8 @@ class Exchange:
                 await sem.acquire()
             finally:
                 self.st.limits.waiting[url] -= 1
-            self.st.metrics.upstream_wait.labels(self.pool).observe(time.monotonic() - t)
+            m = self.st.metrics
+            m.child(m.upstream_wait, self.pool).observe(time.monotonic() - t)
         else:
             await sem.acquire()  # free: returns at once
         self.slot = url
@@ -184,17 +185,15 @@ class Exchange:
         self.lease.release()
         self.lease = new
         self.inflight_at_start = new.backend.inflight
-        self.st.metrics.decisions.labels(new.backend.pool, RETRY).inc()
-        self.st.metrics.retries.labels(new.backend.pool).inc()
+        m = self.st.metrics
+        m.child(m.decisions, new.backend.pool, RETRY).inc()
+        m.child(m.retries, new.backend.pool).inc()
         return True
 
     async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
         body = await upstream.read_body(resp, self.lease.backend.url)
         if resp.status == 200 and b'"usage"' in body:
-            try:
-                self.usage.take(json.loads(body))
-            except ValueError:
-                pass
+            self.usage.take(usage_view(body))
         headers = self.headers()
         if "Content-Type" in resp.headers:
             headers["Content-Type"] = resp.headers["Content-Type"]
@@ -303,13 +302,13 @@ class Exchange:
         self.end_upstream(self.delivered)
         b = self.lease.backend
         m = self.st.metrics
-        m.requests.labels(b.pool, b.url, self.code).inc()
-        m.duration.labels(b.pool).observe(time.monotonic() - self.t0)
+        m.child(m.requests, b.pool, b.url, self.code).inc()
+        m.child(m.duration, b.pool).observe(time.monotonic() - self.t0)
         if self.usage.seen:
-            m.prompt_tokens.labels(b.pool).inc(self.usage.prompt)
-            m.completion_tokens.labels(b.pool).inc(self.usage.completion)
+            m.child(m.prompt_tokens, b.pool).inc(self.usage.prompt)
+            m.child(m.completion_tokens, b.pool).inc(self.usage.completion)
         if self.code == CLIENT_CLOSED:
-            m.disconnects.labels(b.pool).inc()
+            m.child(m.disconnects, b.pool).inc()
 
 
 async def flush(writer, transport: asyncio.BaseTransport) -> None:
@@ -328,17 +327,16 @@ async def flush(writer, transport: asyncio.BaseTransport) -> None:
 async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st = request.app[STATE]
     pinned = pinned_pool(request)
-    body, obj = await read_json_body(request, st.settings.max_body_bytes, st.settings.client_timeout)
-    stream = obj.get("stream") is True
-    opts = obj.get("stream_options")
-    client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    body, head = await read_body(request, st.settings.max_body_bytes, st.settings.client_timeout)
+    stream = head.streamed
+    client_wants_usage = head.wants_usage
     if stream and not client_wants_usage:
-        body = with_usage(body, obj)
+        body = with_usage(body, head)
     got = st.pools.acquire(pinned)
     if got is None:
         raise NoHealthyBackend("no healthy backend in either pool")
     lease, decision = got
-    st.metrics.decisions.labels(decision.pool, decision.reason).inc()
+    st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
     ex = Exchange(st, request, lease)
     try:
         try:

@@ -89,6 +89,15 @@ class Metrics:
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
         self.ttft_by_pool = {p: self.ttft.labels(p) for p in POOLS}
         self.itl_by_pool = {p: self.itl.labels(p) for p in POOLS}
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *values: str):
+        """metric.labels(*values), looked up once per label set (the per-request path calls this)."""
+        key = (id(metric), values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*values)
+        return got
 
     def bind_adaptive(self, policy: Adaptive, view: View) -> None:
         for pool in POOLS:

@@ -1,8 +1,28 @@
 """SSE framing of the upstream byte stream and the usage scan (the one chunk the router ever parses)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+
+class _UsageView(msgspec.Struct):
+    """The two keys the usage scan reads from a response object; the rest is skipped, not built."""
+
+    usage: Any = None
+    choices: Any = None
+
+
+_USAGE = msgspec.json.Decoder(_UsageView)
+
+
+def usage_view(data: bytes) -> _UsageView | None:
+    """usage and choices of one JSON object (a whole response or one SSE event), None if it is not one."""
+    try:
+        return _USAGE.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 def split_events(buf: bytes) -> tuple[bytes, bytes]:
@@ -22,8 +42,8 @@ class Usage:
     completion: int = 0
     seen: bool = False
 
-    def take(self, obj: object) -> None:
-        usage = obj.get("usage") if isinstance(obj, dict) else None
+    def take(self, view: _UsageView | None) -> None:
+        usage = view.usage if view is not None else None
         if isinstance(usage, dict):
             p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
             self.prompt = p if isinstance(p, int) else self.prompt
@@ -39,13 +59,10 @@ def scan_usage(events: bytes, usage: Usage, strip: bool) -> bytes:
     kept = []
     for ev in events.split(sep):
         if b'"prompt_tokens"' in ev and ev.startswith(b"data:"):
-            try:
-                obj = json.loads(ev[5:])
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict):
-                usage.take(obj)
-                if strip and not obj.get("choices"):
+            view = usage_view(ev[5:])
+            if view is not None:
+                usage.take(view)
+                if strip and not view.choices:
                     continue
         kept.append(ev)
     return sep.join(kept)
