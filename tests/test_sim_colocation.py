@@ -175,3 +175,16 @@ async def test_colocated_pair_interleaves_over_http():
                 r.close()
     finally:
         proc.stop()
+
+
+async def test_closing_one_engine_releases_a_peer_waiting_for_its_turn():
+    gpu = Gpu(0.5)
+    p = load_profile("baseline-tp8")
+    a, b = Engine(p, speedup=1.0, gpu=gpu), Engine(p, speedup=1.0, gpu=gpu)
+    a.submit(build_request("a", "a", 5, profile=p, seed=0, max_tokens=5, stop=[], ignore_eos=True, stream=True))
+    gpu.ready(a, 0.0)  # a became ready long ago and has work, but its loop never runs
+    waiting = asyncio.ensure_future(gpu.wait_turn(b, 1.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await a.close()  # aborts a's request: b may go on
+    await asyncio.wait_for(waiting, 5)

@@ -352,6 +352,8 @@ class Engine:
             self._task = None
         for req in list(self.running) + list(self.waiting):
             self.abort(req)
+        if self.gpu is not None:
+            self.gpu.idle(self)  # a co-located peer waiting for this engine's turn must not wait forever
 
     def submit(self, req: SimRequest) -> None:
         # count only the requests that will have to wait: ones a free slot takes at the next step do not
