@@ -1,14 +1,17 @@
 """Calibration model against hand-computed values, and the verdict/winner logic of compare."""
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 
 from bench import calibrate, compare
 from bench.calibrate import Curve
+from tests.fixtures_router import poll
 
 
 def _curve(points: dict[int, float], tokens: int = 100) -> Curve:
@@ -69,12 +72,18 @@ def test_diagnose_flags_speculative_slower_at_one():
     assert "faster at concurrency 1" in notes[0] and "From concurrency 10" in notes[1]
 
 
-def test_recommend_latency_objective_prefers_fast_pool_at_low_load():
-    spec = _curve({1: 20.0, 2: 22.0})  # much faster alone, saturates early
-    base = _curve({1: 10.0, 2: 20.0})
+def test_recommend_latency_objective_by_hand():
+    spec = _curve({1: 20.0, 2: 22.0})  # median E2E 5000 ms alone, 9090.9 ms with two (100 tokens each)
+    base = _curve({1: 10.0, 2: 20.0})  # 10000 ms at 1 and at 2
     rec = calibrate.recommend(spec, base, [1, 2], objective="latency")
-    assert rec.best_per_level[1] >= 1  # the one request goes to the faster speculative server
-    assert rec.objective == "latency" and rec.threshold in rec.scores
+    # T=0: all baseline, 10000 / 10000 ms. T=1: c=1 -> 5000; c=2 -> one on each, the speculative one
+    # completes twice as often, so the median request is a speculative one: 5000. T=2: 5000, 9090.9.
+    # Best per level 5000 and 5000: scores T=0 (0.5 + 0.5)/2, T=1 1.0, T=2 (1 + 5000/9090.9)/2.
+    assert rec.objective == "latency" and rec.threshold == 1
+    assert rec.scores == pytest.approx({0: 0.5, 1: 1.0, 2: (1 + 5000 / (2 * 100 / 22 * 1000)) / 2})
+    assert rec.best_per_level == {1: 1, 2: 1}
+    assert rec.expected[2]["spillover_median_e2e_ms"] == pytest.approx(5000.0)
+    assert rec.expected[2]["all-speculative_median_e2e_ms"] == pytest.approx(2 * 100 / 22 * 1000)
 
 
 def _fig(c: int, tput: float, e2e: float, completed: int = 4) -> dict:
@@ -144,18 +153,48 @@ def test_balanced_split_by_hand():
     assert calibrate.balanced_split(SPEC, BASE, 4, 2, 2) == [1, 1, 1, 1]
 
 
-def test_balanced_model_places_requests_as_the_router_does():
-    import random
+# Per-request speed X(n+1)/(n+1) of a new request next to n others, by hand from these two curves:
+#   speculative (1:141.7, 5:340.7, 30:581.9): n=0 141.7, 1 95.73, 2 80.40, 3 72.74, 4 68.14, 5 58.39
+#   baseline   (1:92.3, 10:455.3, 70:745.9):  n=0 92.3,  1 66.32, 2 57.66
+# Each request goes to the faster of the two (ties to speculative):
+BALANCED_SPEC = {1: 141.7, 5: 340.7, 30: 581.9}
+BALANCED_BASE = {1: 92.3, 10: 455.3, 70: 745.9}
+BALANCED_ORDER = ["speculative", "speculative", "baseline", "speculative", "speculative", "speculative",
+                  "baseline", "speculative"]
 
-    from router.policy import BackendLoad, Balanced, View
 
-    spec, base = _curve({1: 141.7, 5: 340.7, 30: 581.9}), _curve({1: 92.3, 10: 455.3, 70: 745.9})
-    curves = (calibrate.curve_points(spec), calibrate.curve_points(base))
-    n = [0, 0]
-    for c in range(1, 120):
-        loads = View.of([BackendLoad("s", "speculative", n[0], True), BackendLoad("b", "baseline", n[1], True)])
-        n[0 if Balanced(curves).decide(loads, random.Random()).pool == "speculative" else 1] += 1
-        assert calibrate.balanced_split(spec, base, c) == n
+def test_balanced_model_split_by_hand():
+    spec, base = _curve(BALANCED_SPEC), _curve(BALANCED_BASE)
+    for c in range(1, len(BALANCED_ORDER) + 1):
+        placed = BALANCED_ORDER[:c]
+        assert calibrate.balanced_split(spec, base, c) == [placed.count("speculative"), placed.count("baseline")]
+
+
+async def test_balanced_router_places_requests_as_computed_by_hand(raw_backend_factory, router_factory):
+    """The running router, with held requests, places each new one where the hand computation says."""
+    from tests.fixtures_rawbackend import hang
+
+    setting = {name: ",".join(f"{c}:{t}" for c, t in pts.items())
+               for name, pts in (("speculative_curve", BALANCED_SPEC), ("baseline_curve", BALANCED_BASE))}
+    spec = await raw_backend_factory({"/v1/chat/completions": hang()})
+    base = await raw_backend_factory({"/v1/chat/completions": hang()})
+    # Probes that cannot time out on a busy machine: a backend marked down would change the placement.
+    router = await router_factory([spec.url], [base.url], policy="balanced", first_byte_timeout=60,
+                                  health_timeout=10.0, **setting)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    held, order = [], []
+    async with aiohttp.ClientSession() as session:
+        try:
+            for _ in BALANCED_ORDER:
+                before = (spec.chat_hits(), base.chat_hits())
+                held.append(asyncio.create_task(session.post(router.url + "/v1/chat/completions", json=body)))
+                assert await poll(lambda b=before: (spec.chat_hits(), base.chat_hits()) != b, 10)
+                order.append("speculative" if spec.chat_hits() > before[0] else "baseline")
+        finally:
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    assert order == BALANCED_ORDER
 
 
 @pytest.mark.parametrize("profile", ["eagle3-good-tp8", "eagle3-tp8"])

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import pytest
 
@@ -57,8 +56,17 @@ async def test_calibrate_cli_on_simulators(sim_factory, tmp_path, capsys):
         "--no-plot"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "recommended spillover threshold" in out and ("SLOWER" in out or "faster at concurrency" in out)
+    assert "recommended spillover threshold" in out
     data = json.loads((tmp_path / "calibrate.json").read_text())
+    # The verdict follows the measured figures at concurrency 1 (not a fixed answer: on a busy 2-core
+    # machine the simulators' wall-clock figures can swap the 0.84x of the seed table they are fitted to).
+    s1, b1 = (next(f["output_throughput"] for f in data["results"][p] if f["concurrency"] == 1)
+              for p in ("speculative", "baseline"))
+    ratio = f"({s1:.1f} vs {b1:.1f} tok/s, {s1 / b1:.2f}x)"
+    if s1 < b1:
+        assert f"SLOWER than the baseline even at concurrency 1 {ratio}" in out
+    else:
+        assert f"faster at concurrency 1 {ratio}" in out and "SLOWER" not in out
     rec = data["recommendation"]
     assert 0 <= rec["threshold"] <= 3 and set(rec["expected"]) == {"1", "3"}
 
@@ -85,7 +93,14 @@ def test_compare_cli_small(tmp_path, capsys):
     for figs in data["results"].values():
         assert [f["completed"] for f in figs] == [3, 3]
     assert data["config"]["threshold"] == data["calibration"]["threshold"]
-    assert len(data["verdict"]) == 2 and {w["throughput_winner"] for w in data["winners"]} <= set(data["results"])
+    assert len(data["verdict"]) == 2
+    # The winner at each level is the configuration with the highest measured throughput there, taken
+    # here from the raw per-configuration figures rather than from compare's own ranking.
+    for i, w in enumerate(data["winners"]):
+        tputs = {name: figs[i]["output_throughput"] for name, figs in data["results"].items()
+                 if figs[i]["completed"]}
+        assert w["concurrency"] == [1, 3][i]
+        assert tputs[w["throughput_winner"]] == max(tputs.values())
     md = (tmp_path / "cmp.md").read_text()
     assert "python -m bench compare" in md and "| concurrency |" in md
     assert (tmp_path / "cmp.png").exists() and "verdict" in cap.out
@@ -161,7 +176,7 @@ def test_procs_start_and_stop_sim():
 
 def test_procs_errors_are_one_line():
     with pytest.raises(procs.ProcError, match="exited with code") as exc:
-        procs.start("bad", ["bench", "sim", "--profile", "no-such-profile", "--port", "0"], wait_s=20)
+        procs.start("bad", ["bench", "sim", "--profile", "no-such-profile", "--port", "0"], wait_s=60)
     assert "\n" not in str(exc.value)
     # A server that never prints the line: bounded wait, then it is stopped.
     with pytest.raises(procs.ProcError, match="no 'listening on' line within 1.5s"):
@@ -172,5 +187,6 @@ def test_procs_group_stops_everything():
     with procs.ProcGroup() as g:
         a = g.add(procs.start_sim("baseline-tp8", FAST))
         b = g.add(procs.start("py", ["bench", "sim", "--profile", "eagle3-tp8", "--port", "0"]))
-    assert a.proc.poll() is not None and b.proc.poll() is not None
-    assert sys.executable  # the children ran under this interpreter
+    # Both were stopped by the group with SIGTERM, which each server handles gracefully (exit code 0);
+    # a SIGKILL fallback would show as -9.
+    assert (a.proc.returncode, b.proc.returncode) == (0, 0)

@@ -136,6 +136,22 @@ class Prom:
         assert body["status"] == "success", body
         return body["data"]
 
+    async def scraped(self, times: int = 2, within: float = 15.0) -> None:
+        """Until every target has been scraped `times` more times (its lastScrape changed), bounded.
+        Two changes mean at least one whole scrape began after this call."""
+        async def last() -> dict[str, str]:
+            return {t["scrapeUrl"]: t["lastScrape"] for t in (await self.get("/api/v1/targets"))["activeTargets"]}
+
+        seen = {url: [stamp] for url, stamp in (await last()).items()}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while any(len(s) <= times for s in seen.values()):
+            assert loop.time() < deadline, f"prometheus stopped scraping: {seen}"
+            await asyncio.sleep(0.1)
+            for url, stamp in (await last()).items():
+                if stamp != seen[url][-1]:
+                    seen[url].append(stamp)
+
     async def query(self, expr: str) -> list[dict]:
         data = await self.get("/api/v1/query", query=expr)
         assert data["resultType"] in ("vector", "scalar"), data
@@ -154,7 +170,7 @@ def regex_of(values: list[str]) -> str:
     return "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in values) + ")"
 
 
-async def drive_load(router_url: str, spec_url: str, base_url: str, router) -> Counter:
+async def drive_load(router_url: str, spec_url: str, base_url: str, router, prom: Prom) -> Counter:
     """Streams above the threshold plus, in turn, backend errors, retries, a failover and disconnects.
 
     Each fault phase lasts until the router has visibly reacted to it (bounded), not a fixed time."""
@@ -209,7 +225,7 @@ async def drive_load(router_url: str, spec_url: str, base_url: str, router) -> C
 
     async def phase(what: str, cond) -> None:
         assert await poll(cond, PHASE_SECONDS), f"router never showed {what} ({counts})"
-        await asyncio.sleep(SCRAPE_SECONDS)  # let Prometheus see the phase
+        await prom.scraped()  # Prometheus has seen the phase
 
     async def chaos() -> None:
         try:
@@ -261,11 +277,11 @@ async def test_every_dashboard_query_returns_data(sim_factory, router_factory, t
         else:
             pytest.fail(f"prometheus targets not up: {await prom.get('/api/v1/targets')}")
 
-        counts = await drive_load(router.url, spec.url, base.url, router)
+        counts = await drive_load(router.url, spec.url, base.url, router, prom)
         print(f"load through the router: {dict(counts)}")
         assert counts["ok"] > 20 and counts[500] > 0 and counts["disconnected"] > 0, counts
         assert await router.wait_idle() == dict.fromkeys(router.inflight(), 0)
-        await asyncio.sleep(2.5)  # a few more scrapes: the idle state and the last counter values
+        await prom.scraped(times=3)  # a few more scrapes: the idle state and the last counter values
 
         # Variables first: Grafana resolves them before it runs a panel's query.
         values: dict[str, dict[str, str]] = {}
@@ -304,7 +320,8 @@ async def test_every_dashboard_query_returns_data(sim_factory, router_factory, t
         share = await prom.query(
             f"sum by (pool) (increase(router_requests_total[{RATE_WINDOW}])) / ignoring(pool) group_left "
             f"sum(increase(router_requests_total[{RATE_WINDOW}]))")
-        assert {s["metric"]["pool"] for s in share} == {"speculative", "baseline"}
+        # "none": answers the router gave without a backend (a 503 while a loaded machine's probes failed).
+        assert {"speculative", "baseline"} <= {s["metric"]["pool"] for s in share} <= {"speculative", "baseline", "none"}
         assert sum(finite(share)) == pytest.approx(1.0)
         pools = {s["metric"]["pool"] for s in await prom.query("sglang:num_running_reqs")}
         assert pools == {"speculative", "baseline"}, "the shipped config labels each SGLang target with its pool"

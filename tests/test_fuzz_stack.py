@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -21,6 +22,16 @@ ALLOWED_UPSTREAM = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"
                     ("GET", "/health"), ("GET", "/v1/loads")}
 CLIENT_KEY = "client-key-7f3a"
 BACKEND_KEY = "backend-key-91c2"
+
+
+def fuzz_seed() -> int:
+    """FUZZ_SEED=N replays a run; without it each run draws a new seed (printed in pytest's header)."""
+    value = os.environ.get("FUZZ_SEED", "").strip()
+    return int(value) if value else random.SystemRandom().randrange(2**32)
+
+
+# One seed per test session, shared by every property so the header line replays all of them.
+FUZZ_SEED = fuzz_seed()
 
 
 def examples(default: int) -> int:

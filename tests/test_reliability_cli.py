@@ -16,7 +16,6 @@ def test_stress_small_run_accounts_for_every_request(tmp_path):
     rc = stress.main(["--streams", "40", "--duration", "2", "--ramp", "0.2", "--speedup", "50",
                       "--disconnect-fraction", "0.2", "--json", str(out)])
     res = json.loads(out.read_text())
-    assert rc == 0, res["checks"]
     c = res["client"]
     assert c["sent"] == c["completed"] + c["failed_explicit"] + c["disconnected_on_purpose"]
     assert c["unaccounted"] == 0 and c["disconnected_on_purpose"] > 0 and c["peak_open_streams"] == 40
@@ -25,8 +24,17 @@ def test_stress_small_run_accounts_for_every_request(tmp_path):
     assert sum(s["aborted_total"] for s in sims) + sum(s["completed_total"] for s in sims) == (
         c["completed"] + c["disconnected_on_purpose"])
     assert res["router"]["client_disconnects"] == c["disconnected_on_purpose"]
-    assert res["router"]["peak_rss_mb"] > 0 and res["router"]["exit_code"] == 0
-    assert all(res["checks"].values())
+    # The router's own count of answers (by status, from its /metrics) against what the clients saw.
+    assert res["router"]["answered"] == c["sent"]
+    assert res["router"]["by_status"].get("499", 0) == c["disconnected_on_purpose"]
+    assert res["router"]["by_status"].get("200", 0) == c["completed"] + c["failed_explicit"]
+    assert set(res["router"]["inflight_after"].values()) == {0}
+    assert all(s["running"] == 0 and s["queued"] == 0 for s in sims)
+    # 40 idle-ish streams in a Python process: tens of MB; hundreds would be a leak.
+    assert 10 < res["router"]["peak_rss_mb"] < 400
+    assert res["router"]["exit_code"] == 0
+    # The verdict the tool prints follows from those facts (every one of them checked above).
+    assert rc == 0 and res["ok"] is True
 
 
 def test_faults_row_runs_and_reports_the_client_view(tmp_path, capsys):
@@ -34,12 +42,13 @@ def test_faults_row_runs_and_reports_the_client_view(tmp_path, capsys):
     rc = faultmatrix.main(["--rows", "error503", "--speedup", "20", "--json", str(out)])
     printed = capsys.readouterr().out
     (row,) = json.loads(out.read_text())
-    assert rc == 0, row
-    assert "| backend answers 503 |" in printed and "RESULT: PASS" in printed
+    assert "| backend answers 503 |" in printed
     assert row["unaccounted"] == 0 and row["completed"] == row["sent"] > 0
     # Every 503 retried on the other pool (clients see none), and five in a row eject the backend.
     assert row["failover_s"] is not None and row["detect_s"] is not None
     assert set(row["gauges_after"].values()) == {0}
+    # Only now, with the facts checked independently, the tool's own verdict must agree with them.
+    assert rc == 0 and "RESULT: PASS" in printed
 
 
 @pytest.mark.parametrize(("cmd", "args", "text"), [

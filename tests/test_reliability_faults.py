@@ -40,16 +40,20 @@ async def stack(sim_factory, router_factory, spec_faults=None, speedup=20.0, **r
 async def idle_everywhere(router, *sims) -> None:
     assert set((await router.wait_idle()).values()) == {0}
     for s in sims:
-        assert await poll(lambda: True, 0) and await _quiet(s.url)
+        assert await _quiet(s.url), await sim_stats(s.url)
 
 
-async def _quiet(url: str) -> bool:
-    for _ in range(100):
+async def _quiet(url: str, within: float = 5.0) -> bool:
+    """Until the simulator has nothing running or queued (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
         st = await sim_stats(url)
         if st["running"] == 0 and st["queued"] == 0:
             return True
+        if loop.time() > deadline:
+            return False
         await asyncio.sleep(0.05)
-    return False
 
 
 def up(router, url: str) -> float:
@@ -57,24 +61,42 @@ def up(router, url: str) -> float:
 
 
 async def test_backend_killed_mid_stream_under_load(sim_process_factory, sim_factory, router_factory):
+    """SIGKILL of a backend with streams in flight: every client gets a complete answer or an explicit error.
+
+    The accounting, as README "Metrics" and docs/TESTING.md define it: `router_upstream_errors_total` counts
+    failed upstream *attempts*, so a request whose connection died before its headers and that was retried on
+    the other pool counts one `disconnect` while its client saw a complete answer (this is why an equality
+    of disconnects and in-band errors failed under CPU load: more requests are caught before their headers).
+    `router_client_disconnects_total` counts only clients that left: a retried request is not one."""
     spec = await sim_process_factory("eagle3-tp8", speedup=5.0)
     base = await sim_factory("baseline-tp8", speedup=20.0)
-    router = await router_factory([spec.url], [base.url], threshold=1000, **FAST)
+    # A dead process answers at once (RST): long first-byte and idle deadlines keep a busy machine's slow
+    # first tokens from adding 504s and idle errors that have nothing to do with the kill.
+    router = await router_factory([spec.url], [base.url], threshold=1000,
+                                  **{**FAST, "first_byte_timeout": 30.0, "idle_timeout": 30.0})
     task = asyncio.create_task(load(router.url, 48, streams=8, max_tokens=400))
     # Until at least four streams have sent their first event to their clients (bounded).
     assert await poll(lambda: router.metric("router_time_to_first_token_seconds_count", pool="speculative") >= 4, 10)
     spec.kill()
     tally = await task
-    assert set(tally.seen) <= {"complete", CLOSED}
+    # After headers but before the first chunk, the death is a 502 (nothing reached the client yet).
+    assert set(tally.seen) <= {"complete", CLOSED, "HTTP 502"}, tally.seen
     assert tally.seen[CLOSED] >= 4  # the streams in flight at the kill: in-band error, then [DONE]
     assert tally.seen["complete"] >= 48 - 8
     assert up(router, spec.url) == 0
     await idle_everywhere(router, base)
-    # A stream cut after its headers but before its first chunk is retried elsewhere (its client got nothing),
-    # so a disconnect is either an in-band close or a retry.
     disconnects = router.metric("router_upstream_errors_total", backend=spec.url, kind="disconnect")
+    refused = router.metric("router_upstream_errors_total", backend=spec.url, kind="connect")
     retried = router.metric("router_retries_total", pool="baseline")
-    assert tally.seen[CLOSED] <= disconnects <= tally.seen[CLOSED] + retried
+    # Every upstream disconnect reached its client (in-band error, or a 502 once no retry was left) or was
+    # retried (before the client got a byte, also after headers); the only other retries are of refused
+    # connections (after the kill, before the ejection).
+    explicit = tally.seen[CLOSED] + tally.seen["HTTP 502"]
+    assert disconnects >= explicit
+    assert retried == (disconnects - explicit) + refused
+    assert tally.seen["complete"] == 48 - explicit
+    for pool in ("speculative", "baseline"):
+        assert router.metric("router_client_disconnects_total", pool=pool) == 0
 
 
 async def test_hang_before_first_byte_is_504_then_failover_when_health_fails(sim_factory, router_factory):
@@ -110,8 +132,9 @@ async def test_stall_mid_stream_is_an_sse_error_then_done_and_aborts(sim_factory
 
 
 async def test_500_passes_through_and_503_is_retried_on_the_other_pool(sim_factory, router_factory):
+    # No deadline is under test here: a long first-byte timeout keeps a busy machine's slow retries from 504s.
     spec, base, router = await stack(sim_factory, router_factory, spec_faults={"error_rate": 1.0, "error_status": 500},
-                                     **NO_EJECT)
+                                     **NO_EJECT, first_byte_timeout=30.0)
     tally = await load(router.url, 12, streams=6)
     assert dict(tally.seen) == {"HTTP 500": 12}
     await set_faults(spec.url, error_status=503)
@@ -124,7 +147,8 @@ async def test_500_passes_through_and_503_is_retried_on_the_other_pool(sim_facto
 
 
 async def test_refused_connections_fail_over_at_once_and_come_back(sim_factory, router_factory):
-    spec, base, router = await stack(sim_factory, router_factory)
+    # Deadlines are not under test here: long ones keep a busy machine's slow answers from turning into 504s.
+    spec, base, router = await stack(sim_factory, router_factory, first_byte_timeout=30.0, idle_timeout=30.0)
     await set_faults(spec.url, refuse_for=1.5)
     tally = await load(router.url, 16, streams=8)
     assert dict(tally.seen) == {"complete": 16}
@@ -142,7 +166,8 @@ async def test_refused_connections_fail_over_at_once_and_come_back(sim_factory, 
 async def test_backend_comes_back_on_the_same_port_after_sigkill(sim_process_factory, sim_factory, router_factory):
     spec = await sim_process_factory("eagle3-tp8", speedup=20.0)
     base = await sim_factory("baseline-tp8", speedup=20.0)
-    router = await router_factory([spec.url], [base.url], threshold=1000, **FAST)
+    router = await router_factory([spec.url], [base.url], threshold=1000,
+                                  **{**FAST, "first_byte_timeout": 30.0, "idle_timeout": 30.0})
     port = urlsplit(spec.url).port
     spec.kill()
     tally = await load(router.url, 8, streams=4)
@@ -159,8 +184,10 @@ async def test_backend_comes_back_on_the_same_port_after_sigkill(sim_process_fac
 
 
 async def test_one_slow_health_probe_does_not_eject_a_busy_backend(sim_factory, router_factory):
+    # Only the probe deadline is under test: long first-byte and idle deadlines keep a busy machine's slow
+    # answers from turning into 504s.
     spec, base, router = await stack(sim_factory, router_factory, health_failure_threshold=3,
-                                     health_interval=0.2)
+                                     health_interval=0.2, first_byte_timeout=30.0, idle_timeout=30.0)
     seen_up: list[float] = []
 
     async def watch() -> None:

@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from bench import procs
-from tests.fixtures_router import CHAT_BODY, sim_stats, wait_stat
+from tests.fixtures_router import CHAT_BODY, poll, sim_stats, wait_stat
 
 CHAT = "/v1/chat/completions"
 LONG = {**CHAT_BODY, "stream": True, "max_tokens": 2000, "ignore_eos": True}
@@ -42,7 +42,12 @@ async def test_sigterm_ends_open_streams_and_waiting_requests_explicitly(sim_fac
                 await r.content.readuntil(b"\n\n")
             pending = [asyncio.create_task(s.post(router.url + CHAT, json=LONG, headers={"X-Router-Pool": "baseline"}))
                        for _ in range(2)]
-            await asyncio.sleep(0.3)  # the two pending requests are parked in the hanging backend
+            # Until the two pending requests are parked in the hanging backend (bounded).
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while (await sim_stats(waiting.url))["faults_injected"].get("hang", 0) < 2:
+                assert loop.time() < deadline, await sim_stats(waiting.url)
+                await asyncio.sleep(0.05)
             os.kill(router.pid, signal.SIGTERM)
             for r in streams:
                 events = sse_events(await r.read())
@@ -104,8 +109,8 @@ async def test_client_leaving_right_after_done_is_counted_as_served(router_facto
                 got += await r.content.readany()
             r.close()
         assert await router.wait_idle() == {url: 0}
-        await asyncio.sleep(0.1)
-        assert router.metric("router_requests_total", pool="speculative", backend=url, code="200") == 1
+        assert await poll(lambda: router.metric("router_requests_total", pool="speculative", backend=url,
+                                                code="200") == 1, 5)
         assert router.metric("router_requests_total", pool="speculative", backend=url, code="499") == 0
         assert router.metric("router_client_disconnects_total", pool="speculative") == 0
     finally:
@@ -115,6 +120,7 @@ async def test_client_leaving_right_after_done_is_counted_as_served(router_facto
 async def test_the_acceptor_takes_every_pending_connection_in_one_turn():
     """Regression: uvloop accepted one connection per loop turn; under 1,000+ streams new clients waited
     tens of seconds in the kernel's queue. One readiness event must drain the whole queue."""
+    import select
     import socket
 
     from router.accept import Acceptor, listen_socket
@@ -138,7 +144,11 @@ async def test_the_acceptor_takes_every_pending_connection_in_one_turn():
             except BlockingIOError:
                 pass
             clients.append(c)
-        await asyncio.sleep(0.2)  # the kernel completes the handshakes; nothing is accepted yet
+        # Until the kernel has completed every handshake (a connected socket is writable); nothing is accepted.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(select.select([], clients, [], 0)[1]) < len(clients) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         assert acceptor.accept_ready() == 100
         assert acceptor.accept_ready() == 0
         for _ in range(50):

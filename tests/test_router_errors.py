@@ -41,6 +41,12 @@ AUTH = {"Authorization": "Bearer sekrit", "Content-Type": "application/json"}
     ({}, False),
     ({"Authorization": "Bearer wrong"}, False),
     ({"Authorization": "Bearer sekri"}, False),
+    # Every prefix and extension of the key is refused: only the whole key, byte for byte, passes.
+    ({"Authorization": "Bearer s"}, False),
+    ({"Authorization": "Bearer "}, False),
+    ({"Authorization": "Bearer sekrit2"}, False),
+    ({"Authorization": "Bearer sekritsekrit"}, False),
+    ({"Authorization": "Bearer SEKRIT"}, False),
     ({"Authorization": "Basic sekrit"}, False),
     ({"Authorization": "sekrit"}, False),
     ({"Authorization": "Bearer sekrit"}, True),
@@ -186,16 +192,23 @@ async def test_metrics_list_and_labels(sim_factory, router_factory):
 
 async def test_slow_body_upload_does_not_block_others(guarded):
     sim, router = guarded
+    started, finish = asyncio.Event(), asyncio.Event()
 
     async def trickle():
-        for byte in json.dumps(CHAT_BODY).encode()[:20]:
-            yield bytes([byte])
-            await asyncio.sleep(0.02)
+        body = json.dumps(CHAT_BODY).encode()[:20]
+        yield body[:10]
+        started.set()
+        await finish.wait()  # the upload stays unfinished until the other request has its whole answer
+        yield body[10:]
 
     async with aiohttp.ClientSession() as s:
         slow = asyncio.create_task(s.post(router.url + CHAT, data=trickle(), headers=AUTH))
-        async with s.post(router.url + CHAT, json=CHAT_BODY, headers={"Authorization": "Bearer sekrit"}) as r:
-            assert r.status == 200
+        async with asyncio.timeout(10):
+            await started.wait()
+            async with s.post(router.url + CHAT, json=CHAT_BODY, headers={"Authorization": "Bearer sekrit"}) as r:
+                assert r.status == 200 and (await r.json())["choices"]
+        assert not slow.done()  # the other request was served while this body was still half-sent
+        finish.set()
         resp = await slow
         assert_openai_error(resp.status, await resp.read(), 400, "invalid_request_error", "invalid_json")
         resp.release()
