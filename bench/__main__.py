@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "calibrate": ("bench.calibrate", "measure both pools and recommend the spillover threshold"),
     "plan": ("bench.plan", "break-even: which deployment of the same GPUs wins at which load (from compare JSON)"),
-    "demo": ("bench.demo", "two simulated backends + router + a short sweep (the README's first command)"),
+    "demo": ("bench.demo", "the same 8 simulated GPUs four ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "drift": ("bench.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),

@@ -447,9 +447,11 @@ def report(data: dict) -> tuple[str, str, dict]:
         title += f" ({pair} on {equal.gpus_label(gpus[configs[0]])})"
     text = [title, ""]
     eq_rows, eq_lines = [], []
+    # The routed configurations are the deployments judged; all-baseline and all-speculative stay in the tables.
+    routed = [n for n in configs if n not in SINGLE] or configs
     if refs:
-        eq_rows = equal.judge(results, configs, refs, gpus)
-        eq_lines = equal.verdict_lines(eq_rows, configs, refs, gpus)
+        eq_rows = equal.judge(results, routed, refs, gpus)
+        eq_lines = equal.verdict_lines(eq_rows, routed, refs, gpus)
         text += [eq_lines[0], ""]
         text += ["references: " + ", ".join(f"{n} = " + (r.get("profile") and f"profile {r['profile']}"
                                                           or str(r.get("url"))) + f" ({equal.gpus_label(r.get('gpus'))})"
@@ -476,7 +478,7 @@ def report(data: dict) -> tuple[str, str, dict]:
         text += ["", "equal hardware: which deployment of these GPUs wins at each level (noise band "
                      f"{NOISE:.0%}):"]
         text += ["  " + line for line in eq_lines]
-        text += ["", equal.render_text(eq_rows, configs, refs, gpus)]
+        text += ["", equal.render_text(eq_rows, routed, refs, gpus)]
     host = data.get("host")
     if host:
         text.append(f"host: {host['cpus']} CPUs, load average {host['loadavg_at_start'][0]:.1f} at start, "
@@ -487,7 +489,7 @@ def report(data: dict) -> tuple[str, str, dict]:
         extra |= {"equal_hardware": eq_rows, "equal_hardware_text": eq_lines}
     md = _markdown(title, own, win, lines, calib, cfg.get("command", ""), rows, threshold, gpus)
     if refs:
-        md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, configs, refs, gpus))
+        md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, routed, refs, gpus))
     return "\n".join(text), md, extra
 
 

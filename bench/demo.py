@@ -1,11 +1,14 @@
-"""`python -m bench demo`: two simulated backends + the router + a short sweep, in under a minute."""
+"""`python -m bench demo`: the deployments a user chooses between on the same 8 simulated GPUs (TP8 baseline
+alone, the TP4+TP4 split with the router, the co-located pair with the router, TP8 EAGLE-3 alone), a short
+sweep of each, and which wins where, in about a minute."""
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import calibrate, figures, procs
-from bench.compare import wait_routing
+from bench import calibrate, equal, figures, procs
+from bench.compare import default_hysteresis, global_threshold, wait_routing
 from bench.load import BenchInputError
 from bench.sim import fit
 from bench.sim.profiles import ProfileError, load_profile, load_profile_file
@@ -14,6 +17,11 @@ from bench.sweep import ArgError, SweepConfig, int_list, parser, positive, run_a
 # Mean prompt length of the built-in prompt sets, in the simulator's tokens (what its profile fit assumes).
 PROMPT_TOKENS = 23
 CURVE_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SPLIT, COLOCATED, TP8_BASE, TP8_SPEC = "split+balanced", "colocated+global", "tp8-baseline", "tp8-eagle3"
+
+
+def _profile(name: str):
+    return load_profile_file(name) if name.endswith(".json") else load_profile(name)
 
 
 def model_curve(profile: str, max_tokens: int) -> str:
@@ -21,49 +29,61 @@ def model_curve(profile: str, max_tokens: int) -> str:
 
     On real servers `python -m bench calibrate` measures this curve; the demo takes it from the model so it
     stays under a minute."""
-    prof = load_profile_file(profile) if profile.endswith(".json") else load_profile(profile)
+    prof = _profile(profile)
     return ",".join(f"{c}:{fit.predict(prof, c, max_tokens, PROMPT_TOKENS):.1f}" for c in CURVE_LEVELS)
+
+
+def _curve(setting: str) -> calibrate.Curve:
+    pts = [tuple(map(float, p.split(":"))) for p in setting.split(",")]
+    return calibrate.Curve([int(c) for c, _ in pts], [t for _, t in pts], [1.0] * len(pts))
 
 
 def main(argv: list[str]) -> int:
     p = parser("python -m bench demo",
-               "Start a speculative and a baseline simulator and the router (spillover), sweep all three.")
-    p.add_argument("--speculative-profile", default="eagle3-tp8")
-    p.add_argument("--baseline-profile", default="baseline-tp8")
-    p.add_argument("--policy", choices=("balanced", "spillover"), default="balanced",
-                   help="router policy (default balanced, on the profiles' model curves)")
-    p.add_argument("--threshold", type=int, default=4, help="spillover threshold (default 4)")
+               "On the same 8 simulated GPUs: TP8 baseline alone, TP4+TP4 split with the router (balanced), the "
+               "co-located TP8 pair with the router (global), TP8 EAGLE-3 alone; which wins where.")
+    p.add_argument("--drafter", default="eagle3",
+                   help="speculative profile family: DRAFTER-tp8 and DRAFTER-tp4 (default eagle3, the seed "
+                        "profiles; eagle3-good for the better drafter)")
+    p.add_argument("--baseline", default="baseline", help="baseline profile family (default baseline)")
+    p.add_argument("--split-profile", default=None, metavar="PROFILE",
+                   help="the split's speculative TP4 profile, a name or a .json file (default DRAFTER-tp4)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=positive(int), default=128)
     p.add_argument("--speedup", type=positive(float), default=10.0)
     p.add_argument("--out", type=Path, default=Path("bench-out/demo"))
     try:
         ns = p.parse_args(argv)
-        if ns.threshold < 0:
-            raise ArgError("--threshold must be >= 0")
     except ArgError as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
+    prof = {"spec8": f"{ns.drafter}-tp8", "spec4": ns.split_profile or f"{ns.drafter}-tp4",
+            "base8": f"{ns.baseline}-tp8", "base4": f"{ns.baseline}-tp4"}
+    try:
+        for name in prof.values():
+            _profile(name)
+        curves = {k: model_curve(v, ns.max_tokens) for k, v in prof.items()}
+    except ProfileError as exc:
+        print(f"bench demo: {exc}", file=sys.stderr)
+        return 2
+    g_threshold = global_threshold(_curve(curves["spec8"]), _curve(curves["base8"]))
+    hysteresis = default_hysteresis(g_threshold)
     try:
         with procs.ProcGroup() as group:
-            spec = group.add(procs.start_sim(ns.speculative_profile, ns.speedup, "speculative sim"))
-            base = group.add(procs.start_sim(ns.baseline_profile, ns.speedup, "baseline sim"))
-            if ns.policy == "balanced":
-                curves = [model_curve(ns.speculative_profile, ns.max_tokens), model_curve(ns.baseline_profile, ns.max_tokens)]
-                router = group.add(procs.start_router([spec.url], [base.url], "balanced", None, extra=[
-                    "--speculative-curve", curves[0], "--baseline-curve", curves[1]]))
-                policy = "balanced, on the profiles' model curves"
-            else:
-                router = group.add(procs.start_router([spec.url], [base.url], "spillover", ns.threshold))
-                policy = f"spillover, threshold {ns.threshold}"
-            run_async(wait_routing(router.url, "default"))
-            print(f"speculative sim ({ns.speculative_profile}) {spec.url}\nbaseline sim ({ns.baseline_profile}) "
-                  f"{base.url}\nrouter ({policy}) {router.url}\n"
-                  f"sweeping concurrency {','.join(map(str, ns.concurrency))}, max_tokens {ns.max_tokens}; "
-                  f"simulator clocks run {ns.speedup:g}x fast, figures are in simulated time\n", flush=True)
-            cfg = SweepConfig(targets=[("router", router.url), ("speculative", spec.url), ("baseline", base.url)],
-                              concurrency=ns.concurrency, max_tokens=ns.max_tokens, speedup=ns.speedup,
-                              rounds=2, min_requests=8)
+            urls, gpus, colocated = _start(ns, group, prof, curves, g_threshold, hysteresis)
+            print(f"same {equal.gpus_label(gpus[TP8_BASE])}, simulated (clocks {ns.speedup:g}x fast, figures in "
+                  f"simulated time), four deployments:\n"
+                  f"  {TP8_BASE:<17} {prof['base8']} alone\n"
+                  f"  {SPLIT:<17} {prof['spec4']} + {prof['base4']} (GPUs 0-3 and 4-7), router balanced on the "
+                  "profiles' model curves\n"
+                  f"  {COLOCATED:<17} {prof['spec8']} + {prof['base8']} "
+                  + ("time-sharing GPUs 0-7 (half the KV each)" if colocated else
+                     "NOT co-located (this build has no co-located simulator: 16 GPUs)")
+                  + f", router global, threshold {g_threshold} in flight, hysteresis {hysteresis}\n"
+                  f"  {TP8_SPEC:<17} {prof['spec8']} alone\n"
+                  f"concurrency {','.join(map(str, ns.concurrency))}, max_tokens {ns.max_tokens}\n", flush=True)
+            cfg = SweepConfig(targets=list(urls.items()), concurrency=ns.concurrency, max_tokens=ns.max_tokens,
+                              speedup=ns.speedup, rounds=2, min_requests=8)
             results = run_async(run_sweep(cfg))
     except (BenchInputError, procs.ProcError, ProfileError) as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
@@ -71,14 +91,67 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("bench demo: interrupted", file=sys.stderr)
         return 130
-    print(figures.render_table(results))
-    paths = write_outputs(ns.out, "demo", cfg.as_dict(), results,
-                          title=f"bench demo: router ({policy}) vs each pool alone")
-    spec_c, base_c = calibrate.Curve.from_figs(results["speculative"]), calibrate.Curve.from_figs(results["baseline"])
-    rec = calibrate.recommend(spec_c, base_c, ns.concurrency)
+    configs, refs = [SPLIT, COLOCATED], [TP8_BASE, TP8_SPEC]
+    rows = equal.judge(results, configs, refs, gpus)
+    lines = equal.verdict_lines(rows, configs, refs, gpus)
+    print(lines[0])
+    print(*lines[1:], sep="\n")
     print()
-    print(*rec.notes, sep="\n")
-    print(f"calibrate's model, from these two pool curves, would pick threshold {rec.threshold}; "
-          "`python -m bench compare` measures it against the alternatives.")
-    print(f"plot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}")
+    print(figures.render_table(results, gpus=gpus))
+    print()
+    print(equal.render_text(rows, configs, refs, gpus))
+    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])}, four deployments ({ns.drafter})"
+    extra = {"configs": configs, "kinds": {SPLIT: "split", COLOCATED: "colocated"},
+             "references": {TP8_BASE: {"profile": prof["base8"], "url": None, "gpus": gpus[TP8_BASE]},
+                            TP8_SPEC: {"profile": prof["spec8"], "url": None, "gpus": gpus[TP8_SPEC]}},
+             "gpus": gpus, "equal_hardware": rows, "equal_hardware_text": lines,
+             "global_threshold": g_threshold, "hysteresis": hysteresis, "profiles": prof}
+    paths = write_outputs(ns.out, "demo", cfg.as_dict(), results, title=title, extra=extra, gpus=gpus)
+    print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}  (python -m bench plan {paths[0]})")
     return 0
+
+
+def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: int,
+           hysteresis: int) -> tuple[dict[str, str], dict[str, int], bool]:
+    """All simulators at once (each takes a second or two to come up), then the two routers."""
+    colo = getattr(procs, "start_colocated", None)
+    jobs = {
+        TP8_BASE: lambda: procs.start_sim(prof["base8"], ns.speedup, TP8_BASE),
+        TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC),
+        "spec4": lambda: procs.start_sim(prof["spec4"], ns.speedup, "split speculative"),
+        "base4": lambda: procs.start_sim(prof["base4"], ns.speedup, "split baseline"),
+    }
+    if colo is not None:
+        jobs["pair"] = lambda: colo(prof["spec8"], prof["base8"], ns.speedup)
+    else:
+        jobs["pair-spec"] = lambda: procs.start_sim(prof["spec8"], ns.speedup, "pair speculative")
+        jobs["pair-base"] = lambda: procs.start_sim(prof["base8"], ns.speedup, "pair baseline")
+    started: dict = {}
+    errors = []
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {k: pool.submit(f) for k, f in jobs.items()}
+        for k, fut in futures.items():
+            try:
+                started[k] = fut.result()
+            except procs.ProcError as exc:
+                errors.append(exc)
+    for v in started.values():
+        group.add(v[0] if isinstance(v, tuple) else v)
+    if errors:
+        raise errors[0]
+    if colo is not None:
+        _, pair_spec, pair_base = started["pair"]
+    else:
+        pair_spec, pair_base = started["pair-spec"].url, started["pair-base"].url
+    split = group.add(procs.start_router([started["spec4"].url], [started["base4"].url], "balanced", None, extra=[
+        "--speculative-curve", curves["spec4"], "--baseline-curve", curves["base4"]]))
+    pair = group.add(procs.start_router([pair_spec], [pair_base], "global", g_threshold,
+                                        extra=["--hysteresis", str(hysteresis)]))
+    for r in (split, pair):
+        run_async(wait_routing(r.url, "default"))
+    g8 = equal.profile_gpus(prof["base8"])
+    gpus = {TP8_BASE: g8, SPLIT: equal.profile_gpus(prof["spec4"]) + equal.profile_gpus(prof["base4"]),
+            COLOCATED: max(g8, equal.profile_gpus(prof["spec8"])) if colo is not None else
+            g8 + equal.profile_gpus(prof["spec8"]), TP8_SPEC: equal.profile_gpus(prof["spec8"])}
+    urls = {TP8_BASE: started[TP8_BASE].url, SPLIT: split.url, COLOCATED: pair.url, TP8_SPEC: started[TP8_SPEC].url}
+    return urls, gpus, colo is not None

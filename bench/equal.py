@@ -167,38 +167,58 @@ def verdict_lines(rows: list[dict], configs: list[str], refs: list[str], gpus: d
             continue
         tw, (tb, tr) = row["throughput_winner"], row["throughput_margin"] or ("-", 1.0)
         lw, (lb, lr) = row["latency_winner"], row["latency_margin"] or ("-", 1.0)
-        text = (f"c={c}: throughput: {tw} [{gpus_label(gpus.get(tw))}] wins, {tr:.2f}x of {tb}; "
-                f"median latency: {lw} [{gpus_label(gpus.get(lw))}] wins, {lr:.2f}x shorter than {lb}")
+        text = (f"c={c}: throughput: {_won(tw, tb, tr, gpus, 'of')}; "
+                f"median latency: {_won(lw, lb, lr, gpus, 'shorter than')}")
         if row.get("note"):
             text += f" ({row['note']})"
         lines.append(text)
     return lines
 
 
+def _won(winner: str, other: str, ratio: float, gpus: dict[str, int | None], rel: str) -> str:
+    if ratio < 1 + NOISE:
+        return f"{winner} and {other} tie ({ratio:.2f}x, within the {NOISE:.0%} noise band)"
+    return f"{winner} [{gpus_label(gpus.get(winner))}] wins, {ratio:.2f}x {rel} {other}"
+
+
 def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[str, int | None]) -> str:
-    """One line: which deployment wins where, throughput first, with the GPU count of each."""
+    """One line: which deployment wins where on throughput (levels within the noise band are ties), with
+    the GPU count of each, and how far the router's best configuration is from a reference that wins all."""
     by_winner: dict[str, list[int]] = {}
+    ties: list[int] = []
+    tied: dict[tuple[str, str], list[int]] = {}
     for row in rows:
-        if "throughput_winner" in row:
+        if "throughput_winner" not in row:
+            continue
+        margin = row.get("throughput_margin")
+        if margin and margin[1] < 1 + NOISE:
+            ties.append(row["concurrency"])
+            tied.setdefault(tuple(sorted((row["throughput_winner"], margin[0]))), []).append(row["concurrency"])
+        else:
             by_winner.setdefault(row["throughput_winner"], []).append(row["concurrency"])
-    if not by_winner:
+    if not by_winner and not ties:
         return "verdict: nothing completed a request"
     note = hardware_note(configs + refs, gpus)
     suffix = f" ({note})" if note else f" (every deployment here uses {gpus_label(gpus.get(configs[0]))})"
-    best_ref_rows = [p for row in rows for p in row["pairs"]]
+    pairs = "; ".join(f"{a} and {b} at c={_levels(lv)}" for (a, b), lv in tied.items())
+    if not by_winner:
+        return (f"verdict: no deployment wins on throughput by more than the {NOISE:.0%} noise band at any level: "
+                f"{pairs}" + suffix)
+    tie_text = f"; ties within the {NOISE:.0%} noise band: {pairs}" if ties else ""
     if len(by_winner) == 1:
         (w, levels), = by_winner.items()
-        text = f"verdict: {w} wins on throughput at every level measured ({_levels(levels)})"
-        if w in refs and best_ref_rows:
+        where = "at every level measured" if not ties else "at every other level"
+        text = f"verdict: {w} wins on throughput {where} ({_levels(levels)}){tie_text}"
+        if w in refs:
             ratios = [max((p["throughput_ratio"] for p in row["pairs"] if p["reference"] == w), default=None)
-                      for row in rows]
+                      for row in rows if row["concurrency"] in levels]
             ratios = [r for r in ratios if r is not None]
             if ratios:
                 text += (f"; the best router configuration reaches {min(ratios):.2f}-{max(ratios):.2f}x "
-                         "of its throughput")
+                         f"of its throughput there")
         return text + suffix
     parts = [f"{w} at c={_levels(levels)}" for w, levels in sorted(by_winner.items(), key=lambda kv: kv[1][0])]
-    return "verdict: throughput winner by load: " + "; ".join(parts) + suffix
+    return "verdict: throughput winner by load: " + "; ".join(parts) + tie_text + suffix
 
 
 def _levels(levels: list[int]) -> str:

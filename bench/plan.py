@@ -19,11 +19,13 @@ class Candidate:
     """One router configuration of one measured deployment (split or co-located pair)."""
 
     name: str
-    kind: str  # "split" | "colocated"
+    kind: str  # "split" | "colocated" | "alone" (another reference: one server on the same GPUs)
     gpus: int | None
     figs: list[dict]
     spec: calibrate.Curve | None = None  # the pair's speculative server alone
     base: calibrate.Curve | None = None  # the pair's baseline server alone
+    pair: str = ""  # the measured pair it runs on (several router configurations share one)
+    file_refs: dict[str, list[dict]] = field(default_factory=dict)  # the references measured in its own run
 
 
 @dataclass
@@ -35,8 +37,10 @@ class Plan:
     ratios: dict[str, dict[int, float]]  # candidate -> level -> its throughput / the reference's
     wins: dict[str, list[int]]  # candidate -> levels where it beats the reference beyond the noise band
     best: dict[int, str]  # level -> the deployment to run there (the reference unless a candidate beats it)
-    needed: dict[str, dict[int, float | None]] = field(default_factory=dict)  # kind -> level -> speedup
-    today: dict[str, float] = field(default_factory=dict)  # kind -> measured single-stream speedup
+    # pair label ("split eagle3-tp4" ...) -> level -> speedup needed; its kind; its measured speedup today
+    needed: dict[str, dict[int, float | None]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    today: dict[str, float] = field(default_factory=dict)
 
 
 def needed_scale(kind: str, spec: calibrate.Curve, base: calibrate.Curve, ref_tput: float, c: int) -> float | None:
@@ -68,24 +72,29 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
     """Raises BenchInputError (one line) when the files hold no usable reference or candidate."""
     refs: dict[str, tuple[list[dict], int | None, dict]] = {}
     cands: list[Candidate] = []
-    kinds_seen: dict[str, int] = {}
+    others: list[Candidate] = []  # the references themselves: deployments of the same GPUs too
     for data in files:
         results, gpus = data["results"], data.get("gpus") or {}
+        own_refs = {name: results[name] for name in (data.get("references") or {})}
         for name, meta in (data.get("references") or {}).items():
-            refs.setdefault(name, (results[name], gpus.get(name), meta or {}))
+            if name not in refs:
+                refs[name] = (results[name], gpus.get(name), meta or {})
+                others.append(Candidate(name, "alone", gpus.get(name), results[name], file_refs=own_refs))
         cfg = data.get("config") or {}
         kind = cfg.get("deployment") or ("colocated" if cfg.get("colocated") else "split")
-        kinds_seen[kind] = kinds_seen.get(kind, 0) + 1
-        label = kind if kinds_seen[kind] == 1 else f"{kind}{kinds_seen[kind]}"
+        # Files of different drafters side by side: name each pair by its speculative server.
+        label = f"{kind} {Path(str(cfg['speculative'])).stem}" if cfg.get("speculative") else kind
         spec = base = None
         if all(n in results for n in SINGLE):
             spec = calibrate.Curve.from_figs(results["all-speculative"])
             base = calibrate.Curve.from_figs(results["all-baseline"])
         configs = data.get("configs") or [n for n in results if n not in (data.get("references") or {})]
+        kinds = data.get("kinds") or {}  # a demo run: several deployments in one file, each named already
         for n in configs:
             if n in SINGLE:
                 continue
-            cands.append(Candidate(f"{label}+{n}", kind, gpus.get(n), results[n], spec, base))
+            cands.append(Candidate(n if n in kinds else f"{label} + {n}", kinds.get(n, kind), gpus.get(n),
+                                   results[n], spec, base, pair=n if n in kinds else label, file_refs=own_refs))
     if not refs:
         raise BenchInputError("no reference deployment in these files: run `python -m bench compare ... "
                               "--reference tp8=profile:baseline-tp8` (or URL@GPUS) first")
@@ -96,28 +105,36 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
         against = plain[0] if plain else next(iter(refs))
     if against not in refs:
         raise BenchInputError(f"--against {against}: no such reference; the files have {', '.join(refs)}")
+    # The other references are deployments of the same GPUs too (TP8 EAGLE-3 alone may win at low load).
+    cands += [c for c in others if c.name != against]
     ref_figs, ref_gpus, _ = refs[against]
     ref = {f["concurrency"]: f for f in ref_figs if f.get("completed")}
     levels = sorted(ref)
     ratios, wins, best_at = {}, {}, {}
     for cand in cands:
         mine = {f["concurrency"]: f for f in cand.figs if f.get("completed")}
-        ratios[cand.name] = {c: figures.tput(mine[c]) / figures.tput(ref[c])
-                             for c in levels if c in mine and figures.tput(ref[c])}
+        # Against the reference as measured in the candidate's own run when it has one: runs made at other
+        # times on a shared machine differ by more than the noise band.
+        theirs = {f["concurrency"]: f for f in cand.file_refs.get(against, ref_figs) if f.get("completed")}
+        ratios[cand.name] = {c: figures.tput(mine[c]) / figures.tput(theirs[c])
+                             for c in levels if c in mine and c in theirs and figures.tput(theirs[c])}
         wins[cand.name] = [c for c, r in ratios[cand.name].items() if r >= 1 + noise]
     for c in levels:
         top = max(((r[c], n) for n, r in ratios.items() if c in r), default=None)
         best_at[c] = top[1] if top and top[0] >= 1 + noise else against
     plan = Plan(against, ref_gpus, levels, cands, ratios, wins, best_at)
     for cand in cands:
-        if cand.spec is None or cand.base is None or cand.kind in plan.needed:
+        if cand.spec is None or cand.base is None or cand.pair in plan.needed:
             continue
         today = single_stream(cand.spec, cand.base)
-        plan.today[cand.kind] = today
-        plan.needed[cand.kind] = {}
+        plan.today[cand.pair], plan.kinds[cand.pair] = today, cand.kind
+        plan.needed[cand.pair] = {}
+        theirs = {f["concurrency"]: f for f in cand.file_refs.get(against, ref_figs) if f.get("completed")}
         for c in levels:
-            s = needed_scale(cand.kind, cand.spec, cand.base, figures.tput(ref[c]), c)
-            plan.needed[cand.kind][c] = None if s is None else max(s * today, 0.0)
+            if c not in theirs:
+                continue
+            s = needed_scale(cand.kind, cand.spec, cand.base, figures.tput(theirs[c]), c)
+            plan.needed[cand.pair][c] = None if s is None else max(s * today, 0.0)
     return plan
 
 
@@ -158,15 +175,16 @@ def render(plan: Plan) -> str:
     if unequal:
         lines.append("UNEQUAL HARDWARE: " + ", ".join(f"{c.name} uses {equal.gpus_label(c.gpus)}" for c in unequal)
                      + f", {plan.reference} uses {equal.gpus_label(plan.reference_gpus)}")
-    for kind, need in plan.needed.items():
+    for pair, need in plan.needed.items():
+        kind = plan.kinds[pair]
         lines.append("")
-        lines.append(f"break-even, {kind} pair: the single-stream speedup (speculative over its own baseline "
-                     f"server, at 1 request; today {plan.today[kind]:.2f}x) it would need to match "
+        lines.append(f"break-even, {pair} pair: the single-stream speedup (speculative over its own baseline "
+                     f"server, at 1 request; today {plan.today[pair]:.2f}x) it would need to match "
                      f"{plan.reference} at each load:")
-        cells = [f"c={c} " + ("unreachable" if v is None else "already" if v == 0 else f"{v:.2f}x")
+        cells = [f"c={c} " + ("unreachable" if v is None else "its baseline alone matches" if v == 0 else f"{v:.2f}x")
                  for c, v in need.items()]
         lines.append("  " + ", ".join(cells))
-        reach = [c for c, v in need.items() if v is not None and v <= plan.today[kind]]
+        reach = [c for c, v in need.items() if v is not None and v <= plan.today[pair]]
         lines.append(f"  with today's drafter it matches {plan.reference} at " +
                      (f"c={_levels(reach)}" if reach else "no load measured") +
                      ("; model: the speculative server's measured curve scaled by one factor at every load, "
@@ -191,7 +209,7 @@ def plan_json(plan: Plan) -> dict:
             "ratios": {n: {str(c): r for c, r in v.items()} for n, v in plan.ratios.items()},
             "wins": plan.wins, "run": {str(c): n for c, n in plan.best.items()},
             "needed_single_stream_speedup": {k: {str(c): v for c, v in n.items()} for k, n in plan.needed.items()},
-            "single_stream_speedup_today": plan.today}
+            "single_stream_speedup_today": plan.today, "pair_kinds": plan.kinds}
 
 
 def main(argv: list[str]) -> int:

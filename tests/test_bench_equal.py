@@ -67,7 +67,23 @@ def test_one_winner_everywhere_says_by_how_much():
     rows = equal.judge(results, ["split"], ["tp8"], gpus)
     assert equal.headline(rows, ["split"], ["tp8"], gpus) == (
         "verdict: tp8 wins on throughput at every level measured (1,10); the best router configuration "
-        "reaches 0.50-0.75x of its throughput (every deployment here uses 8 GPUs)")
+        "reaches 0.50-0.75x of its throughput there (every deployment here uses 8 GPUs)")
+
+
+def test_a_level_within_the_noise_band_is_a_tie():
+    results = {"global": [fig(1, 91.9, 1000), fig(10, 300, 3000)], "tp8": [fig(1, 91.8, 1000), fig(10, 450, 2500)]}
+    gpus = {"global": 8, "tp8": 8}
+    rows = equal.judge(results, ["global"], ["tp8"], gpus)
+    assert rows[0]["throughput_winner"] == "global"  # by 0.1%: not a win
+    lines = equal.verdict_lines(rows, ["global"], ["tp8"], gpus)
+    assert lines[0] == ("verdict: tp8 wins on throughput at every other level (10); ties within the 3% noise band: "
+                        "global and tp8 at c=1; the best router configuration reaches 0.67-0.67x of its throughput there "
+                        "(every deployment here uses 8 GPUs)")
+    assert lines[1].startswith("c=1: throughput: global and tp8 tie (1.00x, within the 3% noise band)")
+    rows = equal.judge({"global": [fig(1, 91.9, 1000)], "tp8": [fig(1, 91.8, 1000)]}, ["global"], ["tp8"], gpus)
+    assert equal.headline(rows, ["global"], ["tp8"], gpus) == (
+        "verdict: no deployment wins on throughput by more than the 3% noise band at any level: global and tp8 "
+        "at c=1 (every deployment here uses 8 GPUs)")
 
 
 def test_unequal_hardware_is_said_in_the_same_line():
@@ -92,14 +108,16 @@ def test_global_threshold_where_the_curves_cross():
 
 
 def test_compare_with_references_end_to_end(tmp_path, capsys):
-    # A split of two TP4 simulators against one TP8 baseline simulator (clearly faster at one stream) and a
-    # TP8-labelled simulator that is far slower: the fast one must win the verdict, the slow one never.
-    slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"name": "slow", "decode_a_ms": 400.0, "decode_b_ms": 5.0, "tp_size": 8}))
+    # A split of two TP4 simulators against a TP8 simulator several times faster per step and a TP8 one far
+    # slower: the fast one must win the verdict, the slow one never. The gaps are wide, and the clock slow
+    # enough, that HTTP and router overhead on a busy machine cannot reorder them.
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    fast.write_text(json.dumps({"name": "fast", "decode_a_ms": 2.0, "decode_b_ms": 0.1, "tp_size": 8}))
+    slow.write_text(json.dumps({"name": "slow", "decode_a_ms": 300.0, "decode_b_ms": 5.0, "tp_size": 8}))
     rc = compare.main(["--speculative-profile", "eagle3-tp4", "--baseline-profile", "baseline-tp4",
-                       "--reference", "tp8=profile:baseline-tp8", "--reference", f"slow=profile:{slow}",
+                       "--reference", f"tp8=profile:{fast}", "--reference", f"slow=profile:{slow}",
                        "--configs", "balanced", "--concurrency", "1,2", "--requests-per-level", "3",
-                       "--max-tokens", "12", "--speedup", str(FAST), "--out", str(tmp_path), "--name", "eq"])
+                       "--max-tokens", "16", "--speedup", "10", "--out", str(tmp_path), "--name", "eq"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     data = json.loads((tmp_path / "eq.json").read_text())

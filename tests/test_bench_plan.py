@@ -29,11 +29,11 @@ SPLIT = compare_json("split", spec={1: 45.0, 2: 80.0, 10: 150.0}, base={1: 50.0,
 
 def test_nothing_beats_tp8_says_so_first():
     p = plan.make_plan([SPLIT])
-    assert p.reference == "tp8" and p.wins == {"split+balanced": []}
+    assert p.reference == "tp8" and p.wins == {"split + balanced": []}
     assert all(p.best[c] == "tp8" for c in (1, 2, 10))
     first = plan.render(p).splitlines()[0]
     assert first == ("RUN tp8 [8 GPUs]: nothing measured here beats it at any load "
-                     "(the closest, split+balanced, reaches 0.56-0.81x of its throughput).")
+                     "(the closest, split + balanced, reaches 0.56-0.81x of its throughput).")
 
 
 def test_needed_speedup_by_hand():
@@ -65,16 +65,16 @@ def test_a_candidate_that_wins_somewhere():
     colo = compare_json("colocated", spec={1: 120.0, 2: 170.0, 10: 300.0}, base={1: 88.0, 2: 155.0, 10: 440.0},
                         routed={1: 120.0, 2: 163.0, 10: 440.0}, tp8={1: 90.0, 2: 160.0, 10: 450.0})
     p = plan.make_plan([SPLIT, colo])
-    assert p.wins == {"split+balanced": [], "colocated+balanced": [1]}  # 163/160 at c=2 is within noise
-    assert p.best == {1: "colocated+balanced", 2: "tp8", 10: "tp8"}
-    assert plan.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: colocated+balanced at c=1; at c=2,10 run tp8."
+    assert p.wins == {"split + balanced": [], "colocated + balanced": [1]}  # 163/160 at c=2 is within noise
+    assert p.best == {1: "colocated + balanced", 2: "tp8", 10: "tp8"}
+    assert plan.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: colocated + balanced at c=1; at c=2,10 run tp8."
     # the speculative server alone must reach 90 at c=1: 90/120 of today's, i.e. 90/88 over its baseline
     assert p.needed["colocated"][1] == pytest.approx(90 / 88)
 
 
 def test_unequal_hardware_is_flagged():
     p = plan.make_plan([compare_json("split", {1: 1.0}, {1: 1.0}, {1: 100.0}, {1: 90.0}, gpus=16)])
-    assert "UNEQUAL HARDWARE: split+balanced uses 16 GPUs, tp8 uses 8 GPUs" in plan.render(p)
+    assert "UNEQUAL HARDWARE: split + balanced uses 16 GPUs, tp8 uses 8 GPUs" in plan.render(p)
 
 
 def test_cli(tmp_path, capsys):
@@ -92,3 +92,21 @@ def test_cli(tmp_path, capsys):
     assert plan.main([str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "no such reference" in err and "cannot read" in err
+
+
+def test_each_candidate_is_judged_against_its_own_runs_reference_and_other_references_count():
+    # The same TP8 baseline measured in two runs reads 450 and 400 at c=10; the co-located pair (440, its
+    # own run read 450) must not "beat" the other run's 400. A TP8 EAGLE-3 reference faster at c=1 wins there.
+    colo = compare_json("colocated", spec={1: 80.0, 2: 150.0, 10: 250.0}, base={1: 90.0, 2: 160.0, 10: 440.0},
+                        routed={1: 90.0, 2: 160.0, 10: 440.0}, tp8={1: 90.0, 2: 160.0, 10: 450.0})
+    split = compare_json("split", spec={1: 45.0, 2: 80.0, 10: 150.0}, base={1: 50.0, 2: 95.0, 10: 250.0},
+                         routed={1: 50.0, 2: 130.0, 10: 330.0}, tp8={1: 90.0, 2: 160.0, 10: 400.0})
+    split["references"]["tp8-eagle3"] = {"profile": "eagle3-good-tp8", "url": None, "gpus": 8}
+    split["results"]["tp8-eagle3"] = figs({1: 140.0, 2: 200.0, 10: 380.0})
+    split["gpus"]["tp8-eagle3"] = 8
+    p = plan.make_plan([split, colo])
+    assert p.reference == "tp8"  # the non-speculative profile reference, not the EAGLE-3 one
+    assert p.ratios["colocated + balanced"][10] == pytest.approx(440 / 450)
+    assert p.ratios["tp8-eagle3"][1] == pytest.approx(140 / 90)
+    assert p.best == {1: "tp8-eagle3", 2: "tp8-eagle3", 10: "tp8"}
+    assert plan.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: tp8-eagle3 at c=1,2; at c=10 run tp8."

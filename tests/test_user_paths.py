@@ -134,6 +134,6 @@ def test_fresh_install_as_the_readme_says(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     r = sh(demo, 300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "router (balanced" in r.stdout and "plot: " in r.stdout
+    assert "verdict: " in r.stdout and "split+balanced" in r.stdout and "plot: " in r.stdout
     _no_traceback(r)
     print(f"fresh install + demo: {time.monotonic() - t0:.0f} s")
