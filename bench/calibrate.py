@@ -231,7 +231,7 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
         s, b = spec.throughput(c), base.throughput(c)
         rows.append([str(c), f"{s:.1f}", f"{b:.1f}", f"{s / b:.2f}x" if b else "-",
                      f"{spec.latency(c) / 1000:.2f}", f"{base.latency(c) / 1000:.2f}"])
-    out += _grid(rows)
+    out += figures.grid(rows)
     out += ["", *rec.notes, ""]
     out.append(f"recommended spillover threshold: {rec.threshold}  (objective: {rec.objective}; in-flight "
                f"requests per speculative instance: `python -m router serve --policy spillover "
@@ -247,7 +247,7 @@ def render(rec: Recommendation, spec: Curve, base: Curve, levels: list[int]) -> 
                      f"{e['all-baseline']:.1f}", f"{e['all-speculative']:.1f}", f"{e['round-robin']:.1f}",
                      f"{e['balanced']:.1f}", str(e["balanced_speculative_inflight"]),
                      f"{e['spillover_median_e2e_ms'] / 1000:.2f}", f"{e['balanced_median_e2e_ms'] / 1000:.2f}"])
-    out += _grid(rows)
+    out += figures.grid(rows)
     ranked = sorted(rec.scores.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
     what = "of the best throughput" if rec.objective == "throughput" else "of the lowest median latency"
     out.append(f"score = mean over levels of the fraction {what} achievable there: "
@@ -282,13 +282,6 @@ def _ranges(ts: list[int]) -> str:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
     return ", ".join(out)
-
-
-def _grid(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
 
 
 def rec_json(rec: Recommendation) -> dict:

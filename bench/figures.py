@@ -134,6 +134,14 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return f"{v:,.{digits}f}"
 
 
+def grid(rows: list[list[str]]) -> list[str]:
+    """Right-aligned text columns; the first row is the header, underlined with dashes."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def render_table(results: dict[str, list[dict]], title: str | None = None,
                  gpus: dict[str, int | None] | None = None) -> str:
     """Load rows, one column per target: output throughput with each target's ratio to the first,

@@ -170,7 +170,7 @@ def render(plan: Plan) -> str:
     for lv in plan.levels:
         rows.append([str(lv)] + [f"{plan.ratios[c.name][lv]:.2f}x" if lv in plan.ratios[c.name] else "-"
                                  for c in plan.candidates] + [plan.best[lv]])
-    lines += _grid(rows)
+    lines += figures.grid(rows)
     unequal = [c for c in plan.candidates if c.gpus != plan.reference_gpus]
     if unequal:
         lines.append("UNEQUAL HARDWARE: " + ", ".join(f"{c.name} uses {equal.gpus_label(c.gpus)}" for c in unequal)
@@ -195,13 +195,6 @@ def render(plan: Plan) -> str:
 
 def _levels(levels: list[int]) -> str:
     return ",".join(str(c) for c in levels)
-
-
-def _grid(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return out
 
 
 def plan_json(plan: Plan) -> dict:

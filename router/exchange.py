@@ -134,7 +134,8 @@ class Exchange:
                 continue
             self.st.pools.report_attempt(b, Attempt(OK, resp.status))
             if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry(resp):
-                self.st.metrics.upstream_errors.labels(b.url, f"status_{resp.status}").inc()
+                m = self.st.metrics
+                m.child(m.upstream_errors, b.url, f"status_{resp.status}").inc()
                 attempts += 1
                 continue
             self.upstream = resp
