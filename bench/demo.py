@@ -7,7 +7,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import calibrate, equal, figures, procs
+from bench import calibrate, equal, figures, plan, procs
 from bench.compare import default_hysteresis, global_threshold, wait_routing
 from bench.load import BenchInputError
 from bench.sim import fit
@@ -94,18 +94,22 @@ def main(argv: list[str]) -> int:
     configs, refs = [SPLIT, COLOCATED], [TP8_BASE, TP8_SPEC]
     rows = equal.judge(results, configs, refs, gpus)
     lines = equal.verdict_lines(rows, configs, refs, gpus)
-    print(lines[0])
-    print(*lines[1:], sep="\n")
-    print()
-    print(figures.render_table(results, gpus=gpus))
-    print()
-    print(equal.render_text(rows, configs, refs, gpus))
-    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])}, four deployments ({ns.drafter})"
     extra = {"configs": configs, "kinds": {SPLIT: "split", COLOCATED: "colocated"},
              "references": {TP8_BASE: {"profile": prof["base8"], "url": None, "gpus": gpus[TP8_BASE]},
                             TP8_SPEC: {"profile": prof["spec8"], "url": None, "gpus": gpus[TP8_SPEC]}},
              "gpus": gpus, "equal_hardware": rows, "equal_hardware_text": lines,
              "global_threshold": g_threshold, "hysteresis": hysteresis, "profiles": prof}
+    # What to run comes first: when the router's deployments do not pay, the demo says so before any table.
+    try:
+        print(plan.render(plan.make_plan([{"config": cfg.as_dict(), "results": results, **extra}])).splitlines()[0])
+    except BenchInputError as exc:
+        print(f"recommendation: none ({exc})")
+    print(*lines, sep="\n")
+    print()
+    print(figures.render_table(results, gpus=gpus))
+    print()
+    print(equal.render_text(rows, configs, refs, gpus))
+    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])}, four deployments ({ns.drafter})"
     paths = write_outputs(ns.out, "demo", cfg.as_dict(), results, title=title, extra=extra, gpus=gpus)
     print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}  (python -m bench plan {paths[0]})")
     return 0

@@ -131,8 +131,10 @@ def test_demo_small(tmp_path, capsys):
     assert rc == 0, cap.err
     # the four deployments of the same 8 GPUs, the verdict right after the list of what runs
     assert "same 8 GPUs" in out.splitlines()[0]
-    results_start = out.split("\n\n", 1)[1]
-    assert results_start.startswith("verdict: ")
+    # then what to run on them (the recommendation first), then the verdict per level
+    first, second = out.split("\n\n", 1)[1].splitlines()[:2]
+    assert first.startswith(("RUN tp8-baseline [8 GPUs]: nothing measured here beats it", "Beats ")), first
+    assert second.startswith("verdict: ")
     data = json.loads((tmp_path / "demo.json").read_text())
     assert list(data["results"]) == ["tp8-baseline", "split+balanced", "colocated+global", "tp8-eagle3"]
     assert set(data["gpus"].values()) == {8}
