@@ -12,13 +12,14 @@ ROOT=$PWD
 PY="$ROOT/.venv/bin/python"
 MUTMUT="$ROOT/.venv/bin/mutmut"
 [ -x "$PY" ] || bash scripts/install.sh
-"$PY" -m pip install -q -e '.[mutation]' >/dev/null 2>&1 || { echo "mutation: cannot install the mutation extra" >&2; exit 2; }
+[ -x "$MUTMUT" ] || "$PY" -m pip install -q -e '.[mutation]' >/dev/null 2>&1 ||
+  { echo "mutation: cannot install the mutation extra (pip install -e '.[mutation]')" >&2; exit 2; }
 
 # The tests that reach each module and judge it from outside, fast (no e2e, bench, deploy or fuzz files).
 # mutmut runs, for each mutant, only those of them that call the mutated function.
 declare -A MODULE_TESTS=(
   [router/policy.py]="tests/test_policy.py"
-  [router/pools.py]="tests/test_policy.py tests/test_outlier.py tests/test_router_discovery.py tests/test_router_routing.py tests/test_mutation_kills.py"
+  [router/pools.py]="tests/test_pools.py tests/test_policy.py tests/test_outlier.py tests/test_router_health.py tests/test_policy_adaptive.py tests/test_router_discovery.py"
   [router/health.py]="tests/test_router_health.py tests/test_router_routing.py"
   [router/body.py]="tests/test_router_errors.py tests/test_router_proxy.py tests/test_mutation_kills.py"
   [router/handlers.py]="tests/test_router_errors.py tests/test_security_router.py tests/test_proxy_branches.py tests/test_mutation_kills.py"
