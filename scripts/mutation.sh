@@ -19,14 +19,18 @@ MUTMUT="$ROOT/.venv/bin/mutmut"
 # mutmut runs, for each mutant, only those of them that call the mutated function.
 declare -A MODULE_TESTS=(
   [router/policy.py]="tests/test_policy.py"
-  [router/pools.py]="tests/test_pools.py tests/test_policy.py tests/test_outlier.py tests/test_router_health.py tests/test_policy_adaptive.py tests/test_router_discovery.py"
-  [router/health.py]="tests/test_router_health.py tests/test_router_routing.py"
-  [router/body.py]="tests/test_router_errors.py tests/test_router_proxy.py tests/test_mutation_kills.py"
-  [router/handlers.py]="tests/test_router_errors.py tests/test_security_router.py tests/test_proxy_branches.py tests/test_mutation_kills.py"
-  [router/streaming.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_mutation_kills.py"
-  [router/watchdog.py]="tests/test_router_errors.py tests/test_router_lifecycle.py tests/test_proxy_branches.py tests/test_mutation_kills.py"
-  [router/upstream.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_mutation_kills.py"
-  [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_mutation_kills.py"
+  [router/pools.py]="tests/test_pools.py tests/test_policy.py tests/test_outlier.py tests/test_router_health.py
+    tests/test_router_discovery.py::test_removed_backend_with_leases_drains_then_disappears
+    tests/test_router_discovery.py::test_idle_backend_is_dropped_at_once_and_readding_a_draining_one_revives_it
+    tests/test_router_discovery.py::test_the_policy_sees_members_as_they_change
+    tests/test_policy_adaptive.py::test_pools_feed_the_adaptive_policy"
+  [router/health.py]="tests/test_router_health.py"
+  [router/body.py]="tests/test_router_body.py tests/test_router_errors.py"
+  [router/handlers.py]="tests/test_router_errors.py tests/test_security_router.py tests/test_proxy_branches.py"
+  [router/streaming.py]="tests/test_proxy_branches.py tests/test_router_proxy.py"
+  [router/watchdog.py]="tests/test_router_errors.py tests/test_router_lifecycle.py tests/test_proxy_branches.py"
+  [router/upstream.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py"
+  [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py"
 )
 
 if [ "$#" -gt 0 ]; then
@@ -43,12 +47,12 @@ trap 'rm -f "$REPORT"' EXIT
 for m in "${MODULES[@]}"; do
   tests=""
   for t in ${MUTATION_TESTS:-${MODULE_TESTS[$m]:-tests/test_proxy_branches.py tests/test_router_proxy.py}}; do
-    [ -f "$t" ] && tests="$tests $t"
+    [ -f "${t%%::*}" ] && tests="$tests $t"
   done
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/mutation.XXXXXX")
   git ls-files -z | xargs -0 cp --parents -t "$WORK"
   # Untracked new test files are part of the selection while they are being written.
-  for t in $tests; do cp --parents "$t" "$WORK"; done
+  for t in $tests; do cp --parents "${t%%::*}" "$WORK"; done
   (
     cd "$WORK"
     "$PY" - "$m" $tests <<'PY'
