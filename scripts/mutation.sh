@@ -26,7 +26,9 @@ declare -A MODULE_TESTS=(
     tests/test_policy_adaptive.py::test_pools_feed_the_adaptive_policy"
   [router/health.py]="tests/test_router_health.py"
   [router/body.py]="tests/test_router_body.py tests/test_router_errors.py"
-  [router/handlers.py]="tests/test_router_errors.py tests/test_security_router.py tests/test_proxy_branches.py"
+  [router/handlers.py]="tests/test_router_handlers.py tests/test_router_errors.py tests/test_security_router.py
+    tests/test_proxy_branches.py::test_models_merges_answering_backends_and_skips_failing_ones
+    tests/test_proxy_branches.py::test_models_is_503_when_no_backend_answers"
   [router/streaming.py]="tests/test_proxy_branches.py tests/test_router_proxy.py"
   [router/watchdog.py]="tests/test_router_errors.py tests/test_router_lifecycle.py tests/test_proxy_branches.py"
   [router/upstream.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py"

@@ -199,7 +199,8 @@ async def test_the_loop_survives_a_failing_round_and_stops(raw_backend_factory, 
     # Nothing to poll for when nothing should happen: four intervals in which a live loop would probe again.
     await asyncio.sleep(0.2)
     assert be.hits["/health"] == count
-    assert any(r.levelname == "ERROR" and "probing continues" in r.getMessage() for r in caplog.records)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"] == [
+        ("ERROR", "health probe round failed; probing continues")]
 
 
 @pytest.mark.parametrize("status", [200, 204, 503])
@@ -213,3 +214,21 @@ async def test_only_200_is_healthy(raw_backend_factory, status):
         await checker.stop()
     assert pools.backends[0].healthy is (status == 200)
     assert probes(registry, be.url, "ok" if status == 200 else "failed") == 1
+
+
+async def test_every_probe_opens_a_new_connection(sim_factory):
+    """A backend that stopped accepting connections fails its probe even while an earlier keep-alive connection
+    to it still works (the simulator, an aiohttp server, keeps connections alive). mutmut: the probe session's
+    connector without `force_close=True`."""
+    sim = await sim_factory()
+    checker, pools, registry = make([sim.url], health_interval=60)
+    b = pools.backends[0]
+    try:
+        await started(checker)
+        await sim.stop_listener()  # new connections refused; open ones carry on
+        async with asyncio.timeout(10):
+            await checker.probe(b)
+    finally:
+        await checker.stop()
+    assert (probes(registry, sim.url, "ok"), probes(registry, sim.url, "refused")) == (1, 1)
+    assert not b.healthy
