@@ -31,12 +31,14 @@ NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
 # the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
 # _routed() that starts its router.
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive", "global")
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive",
+           "adaptive-throughput", "global")
 SINGLE = ("all-baseline", "all-speculative")
-ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "global")
+ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "adaptive-throughput", "global")
 DEFAULT_ROUTED = ("spillover", "round-robin", "balanced", "adaptive")
-# Learns from its own traffic: no curves, no threshold; the first levels are its warm-up.
-LEARNED = ("adaptive",)
+# Learn from their own traffic: no curves, no threshold. adaptive-throughput is the same policy with the
+# throughput objective (equal marginal gains), run on request to compare the two objectives.
+LEARNED = ("adaptive", "adaptive-throughput")
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -101,8 +103,9 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
 
 
 def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
-    """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x."""
-    others = [n for n in results if n != "adaptive"]
+    """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x.
+    Its own variants (adaptive-throughput) are not among the others: they are the alternatives it is chosen over."""
+    others = [n for n in results if n not in LEARNED]
     lines = []
     for i, ad in enumerate(results["adaptive"]):
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -110,8 +113,13 @@ def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[s
         ratio = figures.tput(ad) / b if b else float("inf")
         status = "at or above 0.97x" if ratio >= 0.97 else "BELOW 0.97x"
         rows[i] |= {"adaptive": figures.tput(ad), "adaptive_best_other": best, "adaptive_ratio": ratio}
-        lines.append(f"c={ad['concurrency']}: adaptive {figures.tput(ad):.1f} tok/s vs best other ({best}) "
-                     f"{b:.1f} -> {ratio:.2f}x, {status}")
+        text = (f"c={ad['concurrency']}: adaptive {figures.tput(ad):.1f} tok/s vs best other ({best}) "
+                f"{b:.1f} -> {ratio:.2f}x, {status}")
+        shares = [f"{n} {results[n][i]['speculative_share']:.0%}" for n in results
+                  if n not in SINGLE and results[n][i].get("speculative_share") is not None]
+        if shares:
+            text += " (speculative share: " + ", ".join(shares) + ")"
+        lines.append(text)
     return lines
 
 
@@ -422,6 +430,7 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
                 print(f"warm-up of {n}: {warmups[n]['requests']} requests in {ns.warmup_seconds:g} s",
                       file=sys.stderr)
     mixed = run_async(run_sweep(_cfg(ns, targets))) if targets else {}
+    learned = {n: run_async(learned_state(url)) for n, url in targets if n in LEARNED}
     configs = [n for n in CONFIGS if n in mixed or n in SINGLE]
     results = {n: (mixed | single)[n] for n in configs} | {n: single[n] for n, _ in refs}
     gpus = {n: ns.pair_gpus for n in configs} | {r.name: r.gpus for r in ns.reference}
@@ -431,7 +440,7 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
         "speculative_curve": spec_pts, "baseline_curve": base_pts,
         "objective": ns.objective, "command": cmd, "colocated": ns.colocated,
         "deployment": "colocated" if ns.colocated else "split", "min_requests": ns.min_requests,
-        "warmup": warmups}
+        "warmup": warmups, "learned": learned}
     if ns.colocated:
         cfg["kv_share"] = ns.kv_share
     if "global" in mixed:
@@ -463,9 +472,11 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
         return router("balanced", True, True, None, ["--speculative-curve", spec_pts, "--baseline-curve", base_pts])
     if name == "global":
         return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])
-    if name == "adaptive":
+    if name in LEARNED:
         # No curves: it learns, from its own requests and the servers' /v1/loads figures.
-        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", "0.5"])
+        objective = "throughput" if name == "adaptive-throughput" else "latency"
+        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", "0.5",
+                                                     "--objective", objective])
     raise ValueError(f"no router recipe for configuration {name!r}")
 
 
@@ -543,6 +554,16 @@ def report(data: dict) -> tuple[str, str, dict]:
     if refs:
         md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, routed, refs, gpus))
     return "\n".join(text), md, extra
+
+
+async def learned_state(url: str) -> dict | None:
+    """What a learned configuration ended the run believing (GET /router/state), for the record."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(url + "/router/state") as resp:
+            return (await resp.json()).get("model") if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
 
 
 def warmup_line(cfg: dict, configs: list[str]) -> str:

@@ -117,13 +117,22 @@ def test_compare_cli_small(tmp_path, capsys):
 
 def test_compare_warms_up_the_learned_configuration_and_says_so(tmp_path, capsys):
     rc = compare.main(["--concurrency", "2", "--max-tokens", "12", "--rounds", "1", "--min-requests", "5",
-                       "--configs", "adaptive",
+                       "--configs", "adaptive,adaptive-throughput",
                        "--warmup-seconds", "4", "--warmup-concurrency", "1,3", "--speedup", str(FAST),
                        "--out", str(tmp_path), "--name", "warm", "--no-plot"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     data = json.loads((tmp_path / "warm.json").read_text())
     warm = data["config"]["warmup"]["adaptive"]
+    assert data["config"]["warmup"]["adaptive-throughput"]["requests"] >= 3
+    # each router says where it sent every request: the single pools all one way, the learned ones both
+    assert data["results"]["all-baseline"][0]["speculative_share"] == 0.0
+    assert data["results"]["all-speculative"][0]["speculative_share"] == 1.0
+    assert 0.0 <= data["results"]["adaptive"][0]["speculative_share"] <= 1.0
+    # what each learned configuration ended up believing, per pool, and the objective it ran with
+    for name, objective in (("adaptive", "latency"), ("adaptive-throughput", "throughput")):
+        model = data["config"]["learned"][name]
+        assert model["objective"] == objective and model["pools"]["baseline"]["samples"] > 0
     assert warm["seconds"] == 4 and warm["concurrency"] == [1, 3] and warm["requests"] >= 3 and warm["failed"] == 0
     # --min-requests sets the count of a level that --rounds alone would keep small (1 x 2 clients = 2 < 5)
     assert [f["completed"] for f in data["results"]["adaptive"]] == [5]
