@@ -33,7 +33,7 @@ class HealthChecker:
         assert self.session is not None
         try:
             async with asyncio.timeout(s.health_timeout):
-                async with self.session.get(b.url + "/health", headers=headers) as resp:
+                async with self.session.get(b.url + s.health_path, headers=headers) as resp:
                     await resp.read()
                     ok = resp.status == 200
         except aiohttp.ClientConnectorError as exc:
