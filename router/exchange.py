@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 from aiohttp import web
 
 from router import upstream
@@ -19,6 +18,7 @@ from router.errors import (
     error_response,
     sse_error_event,
 )
+from router.h1 import Response
 from router.observe import (
     CONNECT_TIMEOUT,
     DISCONNECTED,
@@ -77,7 +77,7 @@ class Exchange:
         self.code = CLIENT_CLOSED
         self.t0 = time.monotonic()
         self.usage = Usage()
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: Response | None = None
         self.task = asyncio.current_task()
         self.inflight_at_start = lease.backend.inflight
         self.ttft: float | None = None
@@ -115,16 +115,16 @@ class Exchange:
         self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
 
     async def start(self, path: str, body: bytes, stream: bool
-                    ) -> tuple[aiohttp.ClientResponse, bytes | None, web.Response | None]:
+                    ) -> tuple[Response, bytes | None, web.Response | None]:
         """Send the request and wait for its first chunk (streams) or whole body; until a byte went to the client,
         a refused connection, a 502/503, or a backend closing the connection is retried on another backend."""
-        assert self.st.session is not None
+        assert self.st.client is not None
         attempts = 0
         while True:
             b = self.lease.backend
             await self.take_slot()
             try:
-                resp = await upstream.send(self.st.session, b.url, path, body,
+                resp = await upstream.send(self.st.client, b.url, path, body,
                                            upstream_headers(self.request, b.api_key))
             except UpstreamError as err:
                 self.upstream_failed(err)
@@ -175,7 +175,7 @@ class Exchange:
             self.st.limits.slots[self.slot].release()
             self.slot = None
 
-    def _retry(self, resp: aiohttp.ClientResponse | None = None) -> bool:
+    def _retry(self, resp: Response | None = None) -> bool:
         new = self.st.pools.acquire_retry(self.lease.backend)
         if new is None:
             return False
@@ -191,16 +191,17 @@ class Exchange:
         m.child(m.retries, new.backend.pool).inc()
         return True
 
-    async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
+    async def buffered(self, resp: Response) -> web.Response:
         body = await upstream.read_body(resp, self.lease.backend.url)
         if resp.status == 200 and b'"usage"' in body:
             self.usage.take(usage_view(body))
         headers = self.headers()
-        if "Content-Type" in resp.headers:
-            headers["Content-Type"] = resp.headers["Content-Type"]
+        ctype = resp.headers.get("content-type")
+        if ctype is not None:
+            headers["Content-Type"] = ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def stream(self, resp: aiohttp.ClientResponse, first: bytes, strip: bool) -> web.StreamResponse:
+    async def stream(self, resp: Response, first: bytes, strip: bool) -> web.StreamResponse:
         """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out.
 
         Writes do not wait for the client (up to write_buffer_bytes), so the upstream is read at the backend's
@@ -211,7 +212,7 @@ class Exchange:
         s = self.st.settings
         url = self.lease.backend.url
         cap = s.write_buffer_bytes
-        headers = {**self.headers(), "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        headers = {**self.headers(), "Content-Type": resp.headers.get("content-type", "text/event-stream"),
                    "Cache-Control": "no-cache"}
         out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""
@@ -290,7 +291,7 @@ class Exchange:
         self.give_slot()
         if self.upstream is not None:
             # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
-            if self.upstream.content.at_eof():
+            if self.upstream.at_eof():
                 self.upstream.release()
             else:
                 self.upstream.close()

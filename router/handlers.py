@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from collections.abc import Awaitable, Callable
 
 from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router import upstream
 from router.errors import (
     ExpectationFailed,
     MethodNotAllowed,
@@ -19,7 +21,6 @@ from router.errors import (
 from router.exchange import BACKEND_HEADER
 from router.pools import Backend
 from router.state import STATE, RouterState
-from router.upstream import TRANSPORT_ERRORS
 
 
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
@@ -78,18 +79,18 @@ async def models(request: web.Request) -> web.Response:
     if st.settings.served_model_name:
         data = [{"id": st.settings.served_model_name, "object": "model", "created": 0, "owned_by": "spec-router"}]
         return web.json_response({"object": "list", "data": data})
-    assert st.session is not None
-    session = st.session
+    assert st.client is not None
+    client = st.client
     backends = [b for b in st.pools.backends if b.healthy]
 
     async def fetch(b: Backend) -> list:
         try:
             async with asyncio.timeout(st.settings.health_timeout):
-                async with session.get(b.url + "/v1/models", headers=b.auth_headers) as resp:
-                    if resp.status != 200:
-                        return []
-                    got = await resp.json(content_type=None)
-        except (*TRANSPORT_ERRORS, ValueError):
+                status, body = await upstream.get(client, b.url, "/v1/models", b.auth_headers)
+            if status != 200:
+                return []
+            got = json.loads(body)
+        except (*upstream.TRANSPORT_ERRORS, ValueError):
             return []
         data = got.get("data") if isinstance(got, dict) else None
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []
