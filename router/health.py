@@ -74,7 +74,8 @@ class HealthChecker:
     def start(self) -> None:
         # A fresh connection per probe: a backend that stopped accepting connections must fail its probe
         # even while an old keep-alive connection to it still works.
-        self.client = upstream.Client(self.settings.connect_timeout, 10**6, 0, keep_alive=False)
+        # The probe as a whole is bounded by health_timeout, its connect included (as before).
+        self.client = upstream.Client(self.settings.health_timeout, 10**6, 0, keep_alive=False)
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
