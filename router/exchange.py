@@ -83,6 +83,8 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
+        self.late = False  # set when first_byte_timeout ran out before the first byte came
+        self.cancelling = 0  # the task's pending cancellations when the first-byte deadline was armed
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
         self.slot: str | None = None  # the backend whose connection slot this exchange holds
@@ -101,6 +103,19 @@ class Exchange:
             return False
         self.cut = False
         return self.task.uncancel() == 0
+
+    def first_byte_late(self) -> None:
+        """first_byte_timeout is up: stop waiting (one timer handle, cheaper than an asyncio.timeout context)."""
+        if self.task is not None and not self.task.done():
+            self.late = True
+            self.task.cancel()
+
+    def absorb_late(self) -> bool:
+        """True when the CancelledError being handled is first_byte_late()'s alone (as asyncio.timeout decides)."""
+        if not self.late or self.task is None:
+            return False
+        self.late = False
+        return self.task.uncancel() <= self.cancelling
 
     @property
     def pool(self) -> str:
@@ -156,23 +171,21 @@ class Exchange:
     async def take_slot(self) -> None:
         """One of the backend's max_connections_per_backend places; a wait shows in the metrics."""
         url = self.lease.backend.url
-        sem = self.st.limits.slots[url]
-        if sem.locked():
+        gate = self.st.limits.slots[url]
+        if not gate.try_take():
             t = time.monotonic()
             self.st.limits.waiting[url] += 1
             try:
-                await sem.acquire()
+                await gate.take()
             finally:
                 self.st.limits.waiting[url] -= 1
             m = self.st.metrics
             m.child(m.upstream_wait, self.pool).observe(time.monotonic() - t)
-        else:
-            await sem.acquire()  # free: returns at once
         self.slot = url
 
     def give_slot(self) -> None:
         if self.slot is not None:
-            self.st.limits.slots[self.slot].release()
+            self.st.limits.slots[self.slot].give()
             self.slot = None
 
     def _retry(self, resp: Response | None = None) -> bool:
@@ -341,13 +354,19 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
     ex = Exchange(st, request, lease)
     try:
+        assert ex.task is not None
+        ex.cancelling = ex.task.cancelling()
+        deadline = asyncio.get_running_loop().call_later(st.settings.first_byte_timeout, ex.first_byte_late)
         try:
-            async with asyncio.timeout(st.settings.first_byte_timeout):
-                resp, first, out = await ex.start(path, body, stream)
-        except TimeoutError as exc:
-            err = upstream.map_error(exc, ex.lease.backend.url, FIRST_BYTE, got_headers=False)
+            resp, first, out = await ex.start(path, body, stream)
+        except asyncio.CancelledError:
+            if not ex.absorb_late():
+                raise
+            err = upstream.map_error(TimeoutError(), ex.lease.backend.url, FIRST_BYTE, got_headers=False)
             ex.upstream_failed(err)
             raise err from None
+        finally:
+            deadline.cancel()
         if first is not None:
             return await ex.stream(resp, first, strip=not client_wants_usage)
         assert out is not None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import socket
 import ssl
@@ -134,7 +135,7 @@ class Client:
         self.keep_alive = keep_alive
         self.max_idle = max_idle_per_backend if keep_alive else 0
         self._endpoints: dict[str, Endpoint] = {}
-        self._slots = asyncio.Semaphore(max_connections)
+        self._slots = Gate(max_connections)
         self._ssl: ssl.SSLContext | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -152,7 +153,8 @@ class Client:
         Closed, ProtocolError (each mapped by map_error)."""
         ep = self.endpoint(url)
         data = ep.request(method, path, body, headers)
-        await self._slots.acquire()
+        if not self._slots.try_take():
+            await self._slots.take()
         try:
             conn = ep.take(time.monotonic())
             while True:
@@ -174,12 +176,12 @@ class Client:
                     conn.close()
                     raise
         except BaseException:
-            self._slots.release()
+            self._slots.give()
             raise
 
     def _done(self, conn: Connection | None) -> None:
         """A response was released (with its connection when that can serve another request) or closed."""
-        self._slots.release()
+        self._slots.give()
         if conn is not None:
             if self.keep_alive and conn.endpoint is not None:
                 conn.endpoint.put(conn)
@@ -243,17 +245,54 @@ async def get(client: Client, backend: str, path: str, headers: dict[str, str] |
         resp.release()
 
 
+class Gate:
+    """A counting semaphore whose uncontended take is one counter step (asyncio.Semaphore.locked() walks its
+    waiters on every call). A freed place goes straight to the oldest waiter, so nobody overtakes it."""
+
+    __slots__ = ("free", "_waiters")
+
+    def __init__(self, places: int) -> None:
+        self.free = places
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    def try_take(self) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed a place just as we were cancelled: pass it on
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
 class Limits:
     """At most `per_backend` requests open to each backend at once; the others wait here, counted, instead of
-    unseen inside aiohttp's connection pool."""
+    unseen inside the client's connection pool."""
 
     def __init__(self, urls: list[str], per_backend: int) -> None:
-        self.slots = {u: asyncio.Semaphore(per_backend) for u in urls}
+        self.slots = {u: Gate(per_backend) for u in urls}
         self.waiting = dict.fromkeys(urls, 0)
         self.per_backend = per_backend
 
     def add(self, url: str) -> None:
         """A backend that joined at run time (router.discovery); its slots outlive a leave, so leases of a
         draining backend still release into them."""
-        self.slots.setdefault(url, asyncio.Semaphore(self.per_backend))
+        self.slots.setdefault(url, Gate(self.per_backend))
         self.waiting.setdefault(url, 0)

@@ -384,3 +384,17 @@ def test_map_error_table(exc, phase, got_headers, cls, kind, retryable):
     assert type(err) is cls and err.retryable is retryable
     if kind is not None:
         assert err.kind == kind
+
+
+async def test_gate_hands_a_freed_place_to_the_oldest_waiter_and_a_cancelled_waiter_passes_it_on():
+    gate = upstream.Gate(1)
+    assert gate.try_take() and not gate.try_take()
+    first = asyncio.ensure_future(gate.take())
+    second = asyncio.ensure_future(gate.take())
+    await asyncio.sleep(0)
+    gate.give()  # to `first`, which is cancelled before it runs: the place must reach `second`
+    first.cancel()
+    await asyncio.wait_for(second, 1)
+    assert first.cancelled() and gate.free == 0
+    gate.give()
+    assert gate.free == 1 and gate.try_take()
