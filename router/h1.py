@@ -217,76 +217,110 @@ class Connection(asyncio.Protocol):
 
     # ---- the parser ----
     def _parse(self, resp: Response, buf: bytes) -> None:
+        # An index walks the buffer: slicing off each parsed piece would copy the rest every time (quadratic
+        # in a large read of many small chunks).
         self._buf = b""
-        while buf:
+        pos, size = 0, len(buf)
+        while pos < size:
             state = self._state
             if state == _DATA or state == _LENGTH:
                 n = self._left
-                if len(buf) < n:
-                    resp._feed(buf)
-                    self._left = n - len(buf)
+                if size - pos < n:
+                    resp._feed(buf[pos:] if pos else buf)
+                    self._left = n - (size - pos)
                     return
-                resp._feed(buf[:n] if len(buf) > n else buf)
-                buf = buf[n:]
+                resp._feed(buf[pos:pos + n] if pos or n < size else buf)
+                pos += n
                 if state == _DATA:
                     self._state = _CRLF
                 else:
-                    self._finish(resp, buf)
+                    self._finish(resp, size - pos)
                     return
             elif state == _CRLF:
-                if len(buf) < 2:
-                    self._buf = buf
+                if size - pos < 2:
+                    self._buf = buf[pos:]
                     return
-                if buf[:2] != b"\r\n":
+                if buf[pos:pos + 2] != b"\r\n":
                     raise ProtocolError("chunk not followed by CRLF")
-                buf = buf[2:]
+                pos += 2
                 self._state = _SIZE
+            elif state == _SIZE and (pos := self._chunks(resp, buf, pos, size)) >= size:
+                return  # every whole chunk taken by the fast loop; the tail (if any) is kept
             elif state == _SIZE or state == _TRAILER:
-                end = buf.find(b"\r\n")
+                end = buf.find(b"\r\n", pos)
                 if end < 0:
-                    if len(buf) > MAX_LINE:
+                    if size - pos > MAX_LINE:
                         raise ProtocolError("chunk size line too long")
-                    self._buf = buf
+                    self._buf = buf[pos:]
                     return
-                line, buf = buf[:end], buf[end + 2:]
+                line = buf[pos:end]
+                pos = end + 2
                 if state == _TRAILER:
                     if not line:
-                        self._finish(resp, buf)
+                        self._finish(resp, size - pos)
                         return
                     continue  # trailer fields are dropped: the router forwards only the body
                 try:
-                    size = int(line.partition(b";")[0].strip(), 16)  # chunk extensions are ignored
+                    n = int(line.partition(b";")[0].strip(), 16)  # chunk extensions are ignored
                 except ValueError:
                     raise ProtocolError(f"bad chunk size line {line[:40]!r}") from None
-                if size < 0:
+                if n < 0:
                     raise ProtocolError("negative chunk size")
-                if size == 0:
+                if n == 0:
                     self._state = _TRAILER
                 else:
-                    self._state, self._left = _DATA, size
+                    self._state, self._left = _DATA, n
             elif state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
+                end = buf.find(b"\r\n\r\n", pos)
                 if end < 0:
-                    if len(buf) > MAX_HEAD:
+                    if size - pos > MAX_HEAD:
                         raise ProtocolError("response headers too large")
-                    self._buf = buf
+                    self._buf = buf[pos:]
                     return
-                if end > MAX_HEAD:
+                if end - pos > MAX_HEAD:
                     raise ProtocolError("response headers too large")
-                head, buf = buf[:end], buf[end + 4:]
-                if self._head(resp, head):
-                    if self._state == _DONE:
-                        self._finish(resp, buf)
-                        return
+                head = buf[pos:end]
+                pos = end + 4
+                self._head(resp, head)
+                if self._state == _DONE:
+                    self._finish(resp, size - pos)
+                    return
             elif state == _UNTIL_CLOSE:
-                resp._feed(buf)
+                resp._feed(buf[pos:] if pos else buf)
                 return
             else:  # _DONE: bytes after the end of the response
                 self.keep_alive = False
                 return
 
-    def _head(self, resp: Response, head: bytes) -> bool:
-        """Parse a status line and its fields; False for an interim (1xx) response, which is skipped."""
+    def _chunks(self, resp: Response, buf: bytes, pos: int, size: int) -> int:
+        """The common case in one tight loop: whole `SIZE CRLF DATA CRLF` chunks (an SSE stream: one event
+        each). Returns where it stopped; anything else (a split chunk, extensions, the last chunk) is left to
+        the general state machine, which also keeps the tail at the end of the buffer."""
+        parts = resp._parts
+        taken = 0
+        find = buf.find
+        while True:
+            end = find(b"\r\n", pos)
+            if end < 0:
+                break
+            try:
+                n = int(buf[pos:end], 16)
+            except ValueError:
+                break
+            start = end + 2
+            stop = start + n
+            if n <= 0 or stop + 2 > size or buf[stop:stop + 2] != b"\r\n":
+                break
+            parts.append(buf[start:stop])
+            taken += n
+            pos = stop + 2
+        resp._size += taken
+        if pos >= size:
+            self._buf = b""
+        return pos if pos < size else size
+
+    def _head(self, resp: Response, head: bytes) -> None:
+        """Parse a status line and its fields; an interim (1xx) response is skipped (the state stays _HEAD)."""
         lines = head.split(b"\r\n")
         status_line = lines[0]
         version, _, rest = status_line.partition(b" ")
@@ -297,7 +331,7 @@ class Connection(asyncio.Protocol):
         if status < 200:
             if status == 101:
                 raise ProtocolError("the backend switched protocols")
-            return False  # 100 Continue, 103 Early Hints: the real response follows
+            return  # 100 Continue, 103 Early Hints: the real response follows
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
@@ -327,9 +361,8 @@ class Connection(asyncio.Protocol):
             self._state = _UNTIL_CLOSE
             self.keep_alive = False
         resp._got_head()
-        return True
 
-    def _finish(self, resp: Response, rest: bytes) -> None:
+    def _finish(self, resp: Response, rest: int) -> None:
         self._state = _DONE
         if rest:
             self.keep_alive = False  # more bytes than the response: never reuse
