@@ -43,7 +43,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
                      resolver=resolver)
-    app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
+    app = web.Application(middlewares=[handlers.edge],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
     _add(app, "POST", exchange.CHAT, exchange.chat_completions)

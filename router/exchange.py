@@ -209,9 +209,8 @@ class Exchange:
         if resp.status == 200 and b'"usage"' in body:
             self.usage.take(usage_view(body))
         headers = self.headers()
-        ctype = resp.headers.get("content-type")
-        if ctype is not None:
-            headers["Content-Type"] = ctype
+        if resp.ctype is not None:
+            headers["Content-Type"] = resp.ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def stream(self, resp: Response, first: bytes, strip: bool) -> web.StreamResponse:
@@ -225,7 +224,7 @@ class Exchange:
         s = self.st.settings
         url = self.lease.backend.url
         cap = s.write_buffer_bytes
-        headers = {**self.headers(), "Content-Type": resp.headers.get("content-type", "text/event-stream"),
+        headers = {**self.headers(), "Content-Type": resp.ctype or "text/event-stream",
                    "Cache-Control": "no-cache"}
         out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""

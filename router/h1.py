@@ -11,6 +11,7 @@ HIGH_WATER = 256 * 1024
 
 _HEAD, _LENGTH, _SIZE, _DATA, _CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 _NO_BODY = frozenset((204, 304))
+_KEPT = frozenset((b"content-type", b"content-length", b"transfer-encoding", b"connection"))
 
 
 class ProtocolError(Exception):
@@ -24,13 +25,12 @@ class Closed(ConnectionError):
 class Response:
     """One response: status and headers once they came, then its body as the bytes arrive."""
 
-    __slots__ = ("status", "reason", "headers", "conn", "on_done", "_parts", "_size", "_waiter", "_exc",
+    __slots__ = ("status", "ctype", "conn", "on_done", "_parts", "_size", "_waiter", "_exc",
                  "_eof", "_head")
 
     def __init__(self, conn: Connection, on_done) -> None:
         self.status = 0
-        self.reason = ""
-        self.headers: dict[str, str] = {}  # names in lower case; a repeated name keeps its last value
+        self.ctype: str | None = None  # the Content-Type field as sent; the only field the router forwards
         self.conn: Connection | None = conn
         # Called once, by release() or close(): with the connection when it can serve another request, else None.
         self.on_done = on_done
@@ -44,7 +44,7 @@ class Response:
     @property
     def content_type(self) -> str:
         """The media type without parameters, lower case (aiohttp's default when absent)."""
-        value = self.headers.get("content-type")
+        value = self.ctype
         if not value:
             return "application/octet-stream"
         return value.partition(";")[0].strip().lower()
@@ -324,7 +324,7 @@ class Connection(asyncio.Protocol):
         lines = head.split(b"\r\n")
         status_line = lines[0]
         version, _, rest = status_line.partition(b" ")
-        code, _, reason = rest.partition(b" ")
+        code = rest.partition(b" ")[0]
         if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
             raise ProtocolError(f"bad status line {status_line[:60]!r}")
         status = int(code)
@@ -332,24 +332,29 @@ class Connection(asyncio.Protocol):
             if status == 101:
                 raise ProtocolError("the backend switched protocols")
             return  # 100 Continue, 103 Early Hints: the real response follows
-        headers = {}
+        # Only the fields the router acts on are kept (memory per open stream); all are checked for shape.
+        fields: dict[bytes, bytes] = {}
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip():
                 raise ProtocolError(f"bad header line {line[:60]!r}")
-            headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
-        resp.status, resp.reason, resp.headers = status, reason.decode("latin-1"), headers
-        conn_tokens = headers.get("connection", "").lower()
+            name = name.lower()
+            if name in _KEPT:
+                fields[name] = value.strip()
+        resp.status = status
+        ctype = fields.get(b"content-type")
+        resp.ctype = None if ctype is None else ctype.decode("latin-1")
+        conn_tokens = fields.get(b"connection", b"").lower()
         if version == b"HTTP/1.0":
-            self.keep_alive = "keep-alive" in conn_tokens
-        elif "close" in conn_tokens:
+            self.keep_alive = b"keep-alive" in conn_tokens
+        elif b"close" in conn_tokens:
             self.keep_alive = False
-        te = headers.get("transfer-encoding")
-        length = headers.get("content-length")
+        te = fields.get(b"transfer-encoding")
+        length = fields.get(b"content-length")
         if status in _NO_BODY:
             self._state = _DONE
         elif te is not None:
-            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
+            if te.lower().rsplit(b",", 1)[-1].strip() != b"chunked":
                 raise ProtocolError(f"unsupported transfer-encoding {te[:40]!r}")
             self._state = _SIZE
         elif length is not None:

@@ -17,6 +17,7 @@ from router.errors import (
     NotFound,
     Unauthorized,
     error_response,
+    translate,
 )
 from router.exchange import BACKEND_HEADER
 from router.pools import Backend
@@ -48,18 +49,22 @@ async def unrouted(request: web.Request) -> web.StreamResponse:
 
 
 @web.middleware
-async def count_rejections(request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Count answers the router gave without any backend (400/401/404/405/413/503) as pool="none"."""
-    resp = await handler(request)
+async def edge(request: web.Request,
+               handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The one middleware of the API app (one frame per request, not three): the API key, errors as OpenAI
+    JSON (router.errors.translate), and answers the router gave without any backend (400/401/404/405/413/503)
+    counted as pool="none"."""
+    try:
+        authorize(request)
+        resp = await handler(request)
+    except Exception as exc:
+        resp = translate(request, exc)
     if resp.status >= 400 and BACKEND_HEADER not in resp.headers:
         request.app[STATE].metrics.requests.labels("none", "none", str(resp.status)).inc()
     return resp
 
 
-@web.middleware
-async def auth_middleware(request: web.Request,
-                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+def authorize(request: web.Request) -> None:
     st = request.app[STATE]
     # /router/ (the learned state) shows backend URLs and loads: as private as the API itself.
     if (st.api_key is not None and request.path.startswith(("/v1/", "/router/"))
@@ -71,7 +76,6 @@ async def auth_middleware(request: web.Request,
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"),
                                                                  st.api_key):
             raise Unauthorized("missing or invalid API key; send Authorization: Bearer KEY")
-    return await handler(request)
 
 
 async def models(request: web.Request) -> web.Response:
