@@ -84,6 +84,7 @@ class Exchange:
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
         self.late = False  # set when first_byte_timeout ran out before the first byte came
+        self.first: bytes | None = None  # a stream's first chunk until stream() takes it
         self.cancelling = 0  # the task's pending cancellations when the first-byte deadline was armed
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
@@ -213,8 +214,9 @@ class Exchange:
             headers["Content-Type"] = resp.ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def stream(self, resp: Response, first: bytes, strip: bool) -> web.StreamResponse:
-        """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out.
+    async def stream(self, resp: Response, strip: bool) -> web.StreamResponse:
+        """Forward complete SSE events as they arrive, from `self.first` on (the first chunk, read before any byte
+        went out).
 
         Writes do not wait for the client (up to write_buffer_bytes), so the upstream is read at the backend's
         pace and the lease ends when the backend's answer does; the client then gets the rest within
@@ -229,7 +231,7 @@ class Exchange:
         out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""
         last = None
-        chunk = first
+        chunk, self.first = self.first, None
         done_sent = False
         try:
             writer = await out.prepare(self.request)
@@ -256,6 +258,7 @@ class Exchange:
                     self.delivered = done_sent and not transport.get_write_buffer_size()
                     if transport.get_write_buffer_size() > cap:
                         await writer.drain()  # the client is that far behind: let the backend wait too
+                events = chunk = None  # forwarded: an idle stream holds no bytes while it waits
                 try:
                     chunk = await upstream.read_chunk(resp, url, IDLE)
                 except UpstreamError as err:
@@ -366,8 +369,10 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
             raise err from None
         finally:
             deadline.cancel()
+        body = None  # sent: an open stream holds only what it still has to forward
         if first is not None:
-            return await ex.stream(resp, first, strip=not client_wants_usage)
+            ex.first, first = first, None
+            return await ex.stream(resp, strip=not client_wants_usage)
         assert out is not None
         ex.code = str(out.status)
         return out
