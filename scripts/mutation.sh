@@ -44,6 +44,7 @@ for m in "${MODULES[@]}"; do
   [ -f "$m" ] || { echo "mutation: no such module: $m" >&2; exit 2; }
 done
 
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- router tests || echo "+changes")
 REPORT=$(mktemp "${TMPDIR:-/tmp}/mutation-report.XXXXXX")
 trap 'rm -f "$REPORT"' EXIT
 for m in "${MODULES[@]}"; do
@@ -71,7 +72,7 @@ PY
       tr '\r' '\n' < run.log | tail -20 >&2; echo "mutation: mutmut run failed for $m" >&2; exit 1; }
     elapsed=$(( $(date +%s) - start ))
     "$MUTMUT" results --all true > results.txt
-    "$PY" - "$m" "$elapsed" "$MUTMUT" "$(git -C "$ROOT" rev-parse --short HEAD)" "$tests" <<'PY'
+    "$PY" - "$m" "$elapsed" "$MUTMUT" "$COMMIT" "$tests" <<'PY'
 import subprocess, sys
 from collections import Counter
 module, elapsed, mutmut, commit, tests = sys.argv[1:]
