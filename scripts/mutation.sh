@@ -29,7 +29,10 @@ declare -A MODULE_TESTS=(
   [router/handlers.py]="tests/test_router_handlers.py tests/test_router_errors.py tests/test_security_router.py
     tests/test_proxy_branches.py::test_models_merges_answering_backends_and_skips_failing_ones
     tests/test_proxy_branches.py::test_models_is_503_when_no_backend_answers"
-  [router/streaming.py]="tests/test_proxy_branches.py tests/test_router_proxy.py"
+  [router/streaming.py]="tests/test_router_streaming.py
+    tests/test_proxy_branches.py::test_split_stream_reaches_the_client_byte_for_byte
+    tests/test_proxy_branches.py::test_usage_event_that_also_carries_choices_is_kept
+    tests/test_router_proxy.py::test_stream_usage_is_stripped_unless_asked_and_still_counted"
   [router/watchdog.py]="tests/test_router_errors.py tests/test_router_lifecycle.py tests/test_proxy_branches.py"
   [router/upstream.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py"
   [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py"
