@@ -3,12 +3,13 @@ in-band error next to the usage chunk, odd usage figures. Expected bytes are bui
 each test's docstring names the mutmut mutants it kills."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
 
-from tests.fixtures_rawbackend import sse
+from tests.fixtures_rawbackend import json_answer, sse
 
 CHAT = "/v1/chat/completions"
 STREAM = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -75,3 +76,44 @@ async def test_usage_figures_that_are_not_integers_are_not_counted(raw_backend_f
     assert (status, got) == (200, body)
     assert router.metric("router_prompt_tokens_total", pool="speculative") == 0
     assert router.metric("router_completion_tokens_total", pool="speculative") == 0
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+async def test_each_event_is_forwarded_before_the_next_one_exists(raw_backend_factory, router_factory, sep):
+    """The backend sends one event and then waits until the client has it: the router must not hold complete
+    events back. mutmut: split_events' separator strings (an unknown separator buffers the whole answer)."""
+    first, rest = ev(content("first")) + sep, ev(content("second")) + sep + ev("[DONE]") + sep
+    client_has_first = asyncio.Event()
+
+    async def act(c):
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                      b"Connection: close\r\n\r\n")
+        await c.write_chunked(first)
+        await client_has_first.wait()
+        await c.write_chunked(rest)
+        await c.write(b"0\r\n\r\n")
+
+    be = await raw_backend_factory({CHAT: act})
+    router = await router_factory([be.url], [])
+    got = b""
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=WITH_USAGE) as r:
+        async with asyncio.timeout(10):
+            while first not in got:
+                piece = await r.content.readany()
+                assert piece, "the stream ended before its first event arrived"
+                got += piece
+            client_has_first.set()
+            got += await r.content.read()
+    assert got == first + rest
+
+
+async def test_a_non_streamed_answer_that_only_looks_like_json_passes_through(raw_backend_factory,
+                                                                             router_factory):
+    """A 200 whose body mentions "usage" but is not JSON: passed through as sent, nothing counted. mutmut:
+    Usage.take's `view is not None` check (the router would fail with a 500)."""
+    broken = b'{"usage": {"prompt_tokens": 3'
+    be = await raw_backend_factory({CHAT: json_answer(200, broken)})
+    router = await router_factory([be.url], [])
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json={"model": "m"}) as r:
+        assert (r.status, await r.read()) == (200, broken)
+    assert router.metric("router_prompt_tokens_total", pool="speculative") == 0
