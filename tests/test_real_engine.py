@@ -193,3 +193,24 @@ def test_bench_calibrate_against_real_engines(engine_pair, tmp_path):
     assert isinstance(rec["threshold"], int) and rec["threshold"] >= 0
     assert "threshold" in res.stdout
     print(res.stdout)
+
+
+async def test_bench_engines_cli_starts_both_and_stops_on_sigterm(engine_model):
+    from bench.procs import start
+
+    p = start("engines", ["bench", "engines"], wait_s=120, lines=2)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for url in p.urls:
+                async with s.get(url + HEALTH_PATH) as r:
+                    assert r.status == 200
+                async with s.get(url + "/v1/models") as r:
+                    assert [m["id"] for m in (await r.json())["data"]] == [MODEL_NAME]
+    finally:
+        rc = p.stop(grace=30)
+    assert rc == 0
+    async with aiohttp.ClientSession() as s:
+        for url in p.urls:
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with s.get(url + HEALTH_PATH):
+                    pass
