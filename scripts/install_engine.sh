@@ -9,6 +9,10 @@ WHEELS=${SPEC_ROUTER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/spec-router/wheels}
 mkdir -p "$WHEELS"
 if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
   echo "building llama-cpp-python $VERSION into $WHEELS (once; about 9 CPU-minutes, see docs/ENGINES.md)" >&2
+  if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+  fi  # cmake and ninja come from PyPI through scikit-build-core when the system has none
   start=$(date +%s)
   tmp=$(mktemp -d)
   .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSION"
