@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bench.demo", "the same 8 simulated GPUs four ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3)"),
     "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
     "drift": ("bench.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
+    "modelcheck": ("bench.modelcheck", "record what the adaptive router observes, replay it through alternative speed models"),
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),

@@ -30,6 +30,26 @@ EXPLORE_FLOOR = 0.7
 ACCEPT_JUMP = 0.08
 
 
+def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
+    """What one finished exchange says of its server: (n running, seconds per token per request while it
+    decoded), or None when it says nothing usable. `limit`: the server's max_running_requests, if known."""
+    tokens = obs.completion_tokens
+    if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
+        return None
+    if obs.ttft_s is not None and obs.chunks >= 2:
+        # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
+        decode = obs.duration_s - obs.ttft_s
+        y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
+    else:
+        y = obs.duration_s / tokens
+    if y <= 0:
+        return None
+    n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
+    if limit is not None:
+        n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
+    return n, y
+
+
 class Adaptive:
     """Route on speed models fitted online (router.speedmodel), one per pool and one per instance.
 
@@ -109,23 +129,10 @@ class Adaptive:
 
     def observe(self, obs: Observation) -> None:
         """One finished exchange: seconds per token while it decoded, against the requests running then."""
-        tokens = obs.completion_tokens
-        if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
-            return
-        if obs.ttft_s is not None and obs.chunks >= 2:
-            # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
-            decode = obs.duration_s - obs.ttft_s
-            y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
-        else:
-            y = obs.duration_s / tokens
-        if y <= 0:
-            return
-        n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
         m = self.models.get(obs.url)
-        limit = m.max_running if m is not None else self.max_running
-        if limit is not None:
-            n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
-        self._fold(obs.pool, obs.url, n, y, "request")
+        got = sample(obs, m.max_running if m is not None else self.max_running)
+        if got is not None:
+            self._fold(obs.pool, obs.url, got[0], got[1], "request")
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: the server's own throughput at its own running count."""
