@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import upstream
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.observe import Attempt
@@ -64,7 +65,7 @@ async def test_each_probe_outcome_is_counted_and_decides_health(raw_backend_fact
                        slow.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        reset.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        gone.url: {"ok": 0, "failed": 0, "refused": 1, "local": 0}}
-    # one probe each (aiohttp itself sends an idempotent GET again once after a reset: not counted here)
+    # one probe each (a reset before the answer is one failed probe; the client sends it once)
     assert [b.hits["/health"] for b in (ok, bad, slow)] == [1, 1, 1]
 
 
@@ -112,14 +113,11 @@ async def test_probes_carry_the_pools_backend_key(raw_backend_factory):
     assert "authorization" not in base.requests[0].headers
 
 
-class FailingResolver(aiohttp.abc.AbstractResolver):
+class FailingDNS(upstream.Client):
     """A DNS lookup that fails on our side (as when the resolver or the process's descriptors are gone)."""
 
-    async def resolve(self, host, port=0, family=0):
-        raise OSError(-3, "Temporary failure in name resolution")
-
-    async def close(self) -> None:
-        pass
+    async def _connect(self, ep: upstream.Endpoint):
+        raise upstream.ConnectFailed(socket.gaierror(-3, "Temporary failure in name resolution"))
 
 
 async def test_a_local_failure_gives_no_verdict():
@@ -128,14 +126,13 @@ async def test_a_local_failure_gives_no_verdict():
     checker, pools, registry = make(["http://backend.example:8000"], health_failure_threshold=1)
     b = pools.backends[0]
     b.probe_ok(1)
-    checker.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=FailingResolver(),
-                                                                           force_close=True))
+    checker.client = FailingDNS(1.0, 10, 0, keep_alive=False)
     try:
         async with asyncio.timeout(10):
             await checker.probe(b)
             await checker.probe(b)
     finally:
-        await checker.session.close()
+        checker.client.close()
     assert b.healthy and b.fails == 0
     assert [probes(registry, b.url, r) for r in ("local", "failed", "refused")] == [2, 0, 0]
 
@@ -194,7 +191,7 @@ async def test_the_loop_survives_a_failing_round_and_stops(raw_backend_factory, 
         assert await poll(lambda: probes(registry, be.url, "ok") >= 3, 5)
     finally:
         await checker.stop()
-    assert checker.session.closed
+    assert checker.client is not None and checker.client.closed
     count = be.hits["/health"]
     # Nothing to poll for when nothing should happen: four intervals in which a live loop would probe again.
     await asyncio.sleep(0.2)
