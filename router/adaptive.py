@@ -33,7 +33,7 @@ ACCEPT_JUMP = 0.08
 # band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
 # (where that costs little; a pool with a prior from a calibration is known there already).
 LOW_LOAD = 3
-LOW_LOAD_SAMPLES = 3
+LOW_LOAD_SAMPLES = 5
 LOW_LOAD_EXPLORE = 0.5
 
 

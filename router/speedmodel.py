@@ -16,7 +16,7 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
 # with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
-BAND_SHRINK = 5.0
+BAND_SHRINK = 3.0
 
 
 def band(n: float) -> int:

@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.adaptive import Adaptive
+from router.adaptive import LOW_LOAD_SAMPLES, Adaptive
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
@@ -273,7 +273,7 @@ def test_light_load_measures_both_pools_alone_before_trusting_the_line():
     first = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
     assert 0.4 * 400 < first[EXPLORE] < 0.6 * 400
     alt = "speculative" if place(pol, 1) == 0 else "baseline"
-    for _ in range(3):
+    for _ in range(LOW_LOAD_SAMPLES):
         pol.observe(obs(alt, S1 if alt == "speculative" else B1, 1, SEED_SPEC if alt == "speculative" else SEED_BASE,
                         rng))
     pol.models[alt].fit()
