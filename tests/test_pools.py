@@ -1,0 +1,198 @@
+"""router.pools through its public methods, without sockets: outlier transitions and their logs and metrics,
+retries, snapshots, membership changes. Expected values are written out by hand; each test's docstring names
+the mutmut mutants it kills."""
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+
+from prometheus_client import CollectorRegistry
+
+from router.adaptive import Adaptive
+from router.metrics import Metrics
+from router.observe import OK, REFUSED, Attempt, Observation
+from router.outlier import OutlierConfig
+from router.policy import BackendLoad
+from router.pools import Pools
+
+S1, S2, B1, B2 = "http://s1:1", "http://s2:1", "http://b1:1", "http://b2:1"
+
+
+def pools(spec=(S1,), base=(B1,), registry: CollectorRegistry | None = None, keys=None, policy="spillover",
+          **cfg) -> Pools:
+    p = Pools(list(spec), list(base), policy=policy, threshold=100, keys=keys,
+              metrics=Metrics(registry) if registry is not None else None, rng=random.Random(3),
+              outlier_cfg=OutlierConfig(**{"consecutive_errors": 3, "base_s": 30.0, "trial_requests": 2, **cfg}))
+    for b in p.backends:
+        b.probe_ok(1)
+    return p
+
+
+def done(p: Pools, url: str) -> None:
+    b = p.by_url[url]
+    p.report_done(b, Observation(b.pool, b.url, 1, 1, 0.1, 0.01, 10, 3, True))
+
+
+def records(caplog) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.pools"]
+
+
+def test_every_outlier_transition_is_logged_and_counted(caplog):
+    """The log line and ejection counter of each transition: ejected (after N failures / after a failed trial,
+    the last failure named), on trial, failed trial with no other backend, passed. mutmut: every argument and
+    string of Pools._log_change, its branch conditions, `tick`'s `now >= until` -> `>`, `now` ignored in tick,
+    the ejection count dropped when a trial starts, the `_outcome` log condition (`!=` -> `==`)."""
+    reg = CollectorRegistry()
+    p = pools(registry=reg)
+    spec, base = p.by_url[S1], p.by_url[B1]
+    caplog.set_level(logging.INFO, logger="router.pools")
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(OK, 500))
+    first_end = spec.outlier.until
+    p.tick(now=first_end - 0.5)  # not yet over: nothing
+    p.tick(now=first_end)  # exactly at its end: on trial
+    p.report_attempt(spec, Attempt(REFUSED))  # the trial fails while baseline can serve: ejected again, longer
+    p.tick(now=spec.outlier.until)
+    base.healthy = False  # the trial fails again, but now nobody else could serve
+    p.report_attempt(spec, Attempt(OK, 502))
+    base.healthy = True
+    done(p, S1)  # active again; a success clears its one failure quietly
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(OK, 503))
+    p.tick(now=spec.outlier.until)
+    done(p, S1)
+    done(p, S1)  # two trial successes (trial_requests 2): fully back
+    assert spec.state() == "up"
+    s = f"backend {S1} (speculative)"
+    assert records(caplog) == [
+        ("WARNING", f"{s} ejected for 30 s (ejection 1 in a row) after 3 consecutive failures, the last: HTTP 500"),
+        ("INFO", f"{s} ejection over: on trial (2 request(s) at a time until 2 succeed)"),
+        ("WARNING", f"{s} ejected for 60 s (ejection 2 in a row) after a failed trial request, the last: refused"),
+        ("INFO", f"{s} ejection over: on trial (2 request(s) at a time until 2 succeed)"),
+        ("WARNING", f"{s} failed a trial request (HTTP 502) but no other backend is routable: back in rotation, "
+                    "its errors pass through"),
+        ("WARNING", f"{s} ejected for 30 s (ejection 1 in a row) after 3 consecutive failures, the last: HTTP 503"),
+        ("INFO", f"{s} ejection over: on trial (2 request(s) at a time until 2 succeed)"),
+        ("INFO", f"{s} passed its trial: fully back"),
+    ]
+    ejections = {reason: reg.get_sample_value("router_backend_ejections_total",
+                                              {"pool": "speculative", "backend": S1, "reason": reason}) or 0.0
+                 for reason in ("5xx", "refused", "ok")}
+    assert ejections == {"5xx": 2.0, "refused": 1.0, "ok": 0.0}
+
+
+def test_state_reads_the_given_time():
+    """mutmut: Backend.state ignoring its `now` argument."""
+    p = pools()
+    spec = p.by_url[S1]
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(REFUSED))
+    end = spec.outlier.until
+    assert (spec.state(end - 1), spec.state(end), spec.state()) == ("ejected", "trial", "ejected")
+
+
+def test_a_success_resets_the_count_of_failures_in_a_row():
+    """1 failure, a complete answer, 2 failures: 2 in a row, below 3, not ejected. mutmut: the fast path
+    `s.failures == 0` -> `== 1` (it would skip clearing a single failure)."""
+    p = pools()
+    spec = p.by_url[S1]
+    p.report_attempt(spec, Attempt(OK, 500))
+    done(p, S1)
+    p.report_attempt(spec, Attempt(OK, 500))
+    p.report_attempt(spec, Attempt(OK, 500))
+    assert spec.state() == "up"
+    p.report_attempt(spec, Attempt(OK, 500))
+    assert spec.state() == "ejected"
+
+
+def test_an_ejected_backend_is_not_another_routable_one():
+    """S1 ejected, then B1 fails for ever: B1 is the last routable backend and stays in. mutmut:
+    `_others_routable(backend, now)` -> `(backend, None)`, `phase_at(o.outlier, now)` -> `(o.outlier, None)`."""
+    p = pools()
+    spec, base = p.by_url[S1], p.by_url[B1]
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(REFUSED))
+    for _ in range(10):
+        p.report_attempt(base, Attempt(OK, 500))
+    assert (spec.state(), base.state()) == ("ejected", "up")
+    q = pools(spec=(S1, S2))  # with a third backend up, the second one failing is ejected too
+    for url in (S1, B1):
+        for _ in range(3):
+            q.report_attempt(q.by_url[url], Attempt(REFUSED))
+    assert [b.state() for b in q.backends] == ["ejected", "up", "ejected"]
+
+
+def test_retry_targets_the_same_pool_first_breaks_ties_and_may_find_none():
+    """mutmut: acquire_retry's `failed.pool` -> None, `self.rng` -> None, `target is None` always false."""
+    p = pools(spec=(S1, S2), base=(B1, B2))
+    lease = p.acquire_retry(p.by_url[S1])
+    assert lease.backend.url == S2 and p.by_url[S2].inflight == 1
+    lease.release()
+    p.by_url[S2].healthy = False
+    picks = Counter()
+    for _ in range(100):
+        lease = p.acquire_retry(p.by_url[S1])
+        picks[lease.backend.url] += 1
+        lease.release()
+    assert set(picks) == {B1, B2} and min(picks.values()) > 20
+    for url in (B1, B2):
+        p.by_url[url].healthy = False
+    assert p.acquire_retry(p.by_url[S1]) is None
+
+
+def test_loads_are_snapshots_of_every_backend():
+    """mutmut: each argument of Backend.load's BackendLoad (dropped or None)."""
+    p = pools()
+    p.by_url[S1].lease()
+    p.by_url[S1].lease()
+    p.by_url[B1].healthy = False
+    assert p.loads() == [BackendLoad(S1, "speculative", 2, True), BackendLoad(B1, "baseline", 0, False)]
+
+
+def test_added_backends_get_their_pools_key_and_the_ejection_settings():
+    """mutmut: add_backend's `self._keys.get(pool)` -> None/get(None)/dropped, `self.outlier_cfg` -> None/dropped."""
+    p = pools(keys={"speculative": "spec-key", "baseline": None}, consecutive_errors=1)
+    s2 = p.add_backend(S2, "speculative")
+    b2 = p.add_backend(B2, "baseline")
+    assert (s2.auth_headers, b2.auth_headers) == ({"Authorization": "Bearer spec-key"}, None)
+    s2.probe_ok(1)
+    p.report_attempt(s2, Attempt(REFUSED))  # one failure ejects with consecutive_errors 1
+    assert s2.state() == "ejected"
+
+
+def labelled(reg: CollectorRegistry, url: str) -> list[tuple[str, list]]:
+    """The gauge samples of one backend: (name, sorted label items)."""
+    return sorted((s.name, sorted(s.labels.items())) for m in reg.collect() for s in m.samples
+                  if s.labels.get("backend") == url and not s.name.endswith(("_total", "_created")))
+
+
+def test_gauges_of_a_gone_backend_are_removed():
+    """An idle backend removed, and one moved to the other pool while a lease is out: the gauges of the old
+    entry go (counters stay), and the old lease's release does not touch the new entry. mutmut: `_forget`'s
+    `backend_state.remove(...)` arguments, add_backend's `on_drained = None` -> "" and `_forget(b)` -> None."""
+    reg = CollectorRegistry()
+    p = pools(spec=(S1, S2), registry=reg)
+    assert [name for name, _ in labelled(reg, S2)].count("router_backend_state") == 4
+    p.remove_backend(S2)
+    assert labelled(reg, S2) == []
+    old = p.by_url[S1].lease()
+    p.remove_backend(S1)
+    moved = p.add_backend(S1, "baseline")
+    assert labelled(reg, S1) == sorted(
+        [("router_backend_up", [("backend", S1), ("pool", "baseline")]),
+         ("router_inflight_requests", [("backend", S1), ("pool", "baseline")])]
+        + [("router_backend_state", [("backend", S1), ("pool", "baseline"), ("state", st)])
+           for st in ("up", "down", "ejected", "trial")])
+    old.release()
+    assert moved.inflight == 0 and p.by_url[S1] is moved and p.draining == {}
+
+
+def test_adaptive_gauges_follow_the_members():
+    """A pool that gains its first member gets the adaptive gauges. mutmut: _set_members' `metrics is not None`
+    -> `is None`, bind_adaptive's arguments."""
+    reg = CollectorRegistry()
+    p = pools(base=(), registry=reg, policy=Adaptive(explore=0.0))
+    assert reg.get_sample_value("router_adaptive_samples", {"pool": "baseline"}) is None
+    p.add_backend(B1, "baseline")
+    assert reg.get_sample_value("router_adaptive_samples", {"pool": "baseline"}) == 0
