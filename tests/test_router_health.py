@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -71,7 +71,7 @@ async def test_each_probe_outcome_is_counted_and_decides_health(raw_backend_fact
 async def test_thresholds_apply_to_probes_after_the_first(raw_backend_factory):
     """Up at the first good probe; then down only after `health_failure_threshold` failures in a row (a refusal
     counts like any failure), back only after `health_success_threshold` successes. mutmut: the threshold
-    passed to probe_failed/probe_ok (`s.health_failure_threshold` -> None etc.), refused not counted."""
+    passed to probe_failed/probe_ok in each branch (`s.health_failure_threshold` -> None etc.)."""
     be = await raw_backend_factory({})
     checker, pools, registry = make([be.url], health_failure_threshold=2, health_success_threshold=2,
                                     health_interval=60)
@@ -79,7 +79,7 @@ async def test_thresholds_apply_to_probes_after_the_first(raw_backend_factory):
     try:
         await started(checker)  # the first probe
         seen = [b.healthy]
-        be.routes["/health"] = json_answer(500, {})
+        be.routes["/health"] = reset_before_headers()  # a transport error after the first probe
         await checker.probe(b)
         seen.append(b.healthy)
         await be.stop_listening()
@@ -98,6 +98,19 @@ async def test_thresholds_apply_to_probes_after_the_first(raw_backend_factory):
             probes(registry, be.url, "refused")) == (3, 1, 1)
 
 
+async def test_stop_is_safe_before_start_and_twice_and_the_loop_is_named(raw_backend_factory):
+    """mutmut: `self.client`/`self._task` initialised to something other than None, `stop()` leaving `_task`
+    set, the loop task's name."""
+    be = await raw_backend_factory({})
+    checker, _, _ = make([be.url], health_interval=60)
+    await checker.stop()
+    await started(checker)
+    assert "router-health" in {t.get_name() for t in asyncio.all_tasks()}
+    await checker.stop()
+    await checker.stop()
+    assert "router-health" not in {t.get_name() for t in asyncio.all_tasks()}
+
+
 async def test_probes_carry_the_pools_backend_key(raw_backend_factory):
     """mutmut: `headers = b.auth_headers` -> None (the backend's key would not reach its /health)."""
     spec = await raw_backend_factory({})
@@ -112,32 +125,28 @@ async def test_probes_carry_the_pools_backend_key(raw_backend_factory):
     assert "authorization" not in base.requests[0].headers
 
 
-class FailingResolver(aiohttp.abc.AbstractResolver):
-    """A DNS lookup that fails on our side (as when the resolver or the process's descriptors are gone)."""
-
-    async def resolve(self, host, port=0, family=0):
-        raise OSError(-3, "Temporary failure in name resolution")
-
-    async def close(self) -> None:
-        pass
-
-
-async def test_a_local_failure_gives_no_verdict():
-    """A probe that cannot even be sent (our DNS) leaves health as it was and counts `local`. mutmut: the
-    is_local branch's `return` removed (would mark it down), its label, `is_local(exc)` -> `is_local(None)`."""
-    checker, pools, registry = make(["http://backend.example:8000"], health_failure_threshold=1)
+async def test_a_local_failure_gives_no_verdict(monkeypatch, caplog):
+    """A probe that cannot even be sent (our DNS lookup fails) leaves health as it was and counts `local`.
+    mutmut: the is_local branch's `return` removed (it would mark the backend down), its label and log line."""
+    checker, pools, registry = make(["http://backend.example:8000"], health_failure_threshold=1, health_interval=60)
     b = pools.backends[0]
     b.probe_ok(1)
-    checker.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=FailingResolver(),
-                                                                           force_close=True))
+
+    async def no_dns(*args, **kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", no_dns)
     try:
+        await started(checker)
         async with asyncio.timeout(10):
             await checker.probe(b)
-            await checker.probe(b)
     finally:
-        await checker.session.close()
+        await checker.stop()
     assert b.healthy and b.fails == 0
     assert [probes(registry, b.url, r) for r in ("local", "failed", "refused")] == [2, 0, 0]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"] == 2 * [
+        ("WARNING", "health probe of http://backend.example:8000 not sent: [Errno -3] Temporary failure in name "
+                    "resolution")]
 
 
 async def test_going_down_brings_ejected_backends_back_and_is_logged(raw_backend_factory, caplog):
@@ -194,7 +203,6 @@ async def test_the_loop_survives_a_failing_round_and_stops(raw_backend_factory, 
         assert await poll(lambda: probes(registry, be.url, "ok") >= 3, 5)
     finally:
         await checker.stop()
-    assert checker.session.closed
     count = be.hits["/health"]
     # Nothing to poll for when nothing should happen: four intervals in which a live loop would probe again.
     await asyncio.sleep(0.2)
