@@ -70,6 +70,9 @@ def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str
 class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
+    __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
+                 "chunks", "cut", "late", "first", "cancelling", "delivered", "watchdog", "slot")
+
     def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
         self.st = st
         self.request = request

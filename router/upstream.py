@@ -138,6 +138,7 @@ class Client:
         self._slots = Gate(max_connections)
         self._ssl: ssl.SSLContext | None = None
         self._loop = asyncio.get_running_loop()
+        self.closed = False
 
     def endpoint(self, url: str) -> Endpoint:
         ep = self._endpoints.get(url)
@@ -201,6 +202,8 @@ class Client:
         return conn
 
     def close(self) -> None:
+        """Close the idle connections; responses still open close with their exchanges."""
+        self.closed = True
         for ep in self._endpoints.values():
             for conn in ep.idle:
                 conn.close()
