@@ -13,20 +13,32 @@ from pathlib import Path
 import aiohttp
 
 from bench import calibrate, equal, figures, procs
-from bench.load import BenchInputError
+from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
 from bench.sim.profiles import ProfileError
-from bench.sweep import ArgError, SweepConfig, add_load_args, parser, run_async, run_sweep, write_outputs
+from bench.sweep import (
+    ArgError,
+    SweepConfig,
+    add_load_args,
+    int_list,
+    parser,
+    positive,
+    run_async,
+    run_sweep,
+    write_outputs,
+)
 
 NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
 # the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
 # _routed() that starts its router.
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive", "global")
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive",
+           "adaptive-throughput", "global")
 SINGLE = ("all-baseline", "all-speculative")
-ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "global")
+ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "adaptive-throughput", "global")
 DEFAULT_ROUTED = ("spillover", "round-robin", "balanced", "adaptive")
-# Learns from its own traffic: no curves, no threshold; the first levels are its warm-up.
-LEARNED = ("adaptive",)
+# Learn from their own traffic: no curves, no threshold. adaptive-throughput is the same policy with the
+# throughput objective (equal marginal gains), run on request to compare the two objectives.
+LEARNED = ("adaptive", "adaptive-throughput")
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -91,8 +103,9 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
 
 
 def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
-    """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x."""
-    others = [n for n in results if n != "adaptive"]
+    """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x.
+    Its own variants (adaptive-throughput) are not among the others: they are the alternatives it is chosen over."""
+    others = [n for n in results if n not in LEARNED]
     lines = []
     for i, ad in enumerate(results["adaptive"]):
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -100,8 +113,13 @@ def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[s
         ratio = figures.tput(ad) / b if b else float("inf")
         status = "at or above 0.97x" if ratio >= 0.97 else "BELOW 0.97x"
         rows[i] |= {"adaptive": figures.tput(ad), "adaptive_best_other": best, "adaptive_ratio": ratio}
-        lines.append(f"c={ad['concurrency']}: adaptive {figures.tput(ad):.1f} tok/s vs best other ({best}) "
-                     f"{b:.1f} -> {ratio:.2f}x, {status}")
+        text = (f"c={ad['concurrency']}: adaptive {figures.tput(ad):.1f} tok/s vs best other ({best}) "
+                f"{b:.1f} -> {ratio:.2f}x, {status}")
+        shares = [f"{n} {results[n][i]['speculative_share']:.0%}" for n in results
+                  if n not in SINGLE and results[n][i].get("speculative_share") is not None]
+        if shares:
+            text += " (speculative share: " + ", ".join(shares) + ")"
+        lines.append(text)
     return lines
 
 
@@ -196,6 +214,19 @@ def main(argv: list[str]) -> int:
                    help="global: come back to speculative only below threshold - hysteresis (default: a quarter "
                         "of the global threshold, at least 1)")
     p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
+    p.add_argument("--min-requests", type=positive(int), default=16, metavar="N",
+                   help="closed loop: at least N requests per level whatever --rounds gives (default 16); "
+                        "a level of a few requests per client measures mostly its start and its drain")
+    p.add_argument("--single-again", action="store_true",
+                   help="measure all-baseline and all-speculative again in phase 2, interleaved with the routed "
+                        "configurations, and report those (phase 1 stays the calibration): a busy host then "
+                        "weighs on every column alike")
+    p.add_argument("--warmup-seconds", type=float, default=0.0, metavar="S",
+                   help="before the first level, S seconds of the servers' time of closed-loop traffic to "
+                        "each learned configuration (adaptive), stepping through --warmup-concurrency; the "
+                        "report states the seconds and requests (default 0: no warm-up)")
+    p.add_argument("--warmup-concurrency", type=int_list, default=int_list("5,30,100"), metavar="LIST",
+                   help="concurrency levels the warm-up steps through, equal time each (default 5,30,100)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default=None, help="output file stem (default compare-SPEC-BASE)")
     p.add_argument("--from-json", type=Path, metavar="FILE",
@@ -214,6 +245,8 @@ def main(argv: list[str]) -> int:
         for flag in ("gpus", "reference_gpus"):
             if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
                 raise ArgError(f"--{flag.replace('_', '-')} must be >= 1")
+        if ns.warmup_seconds < 0:
+            raise ArgError("--warmup-seconds must be >= 0")
         if not 0 < ns.kv_share < 1:
             raise ArgError("--kv-share must be between 0 and 1")
         if ns.colocated and ns.speculative is not None:
@@ -316,7 +349,25 @@ def _cfg(ns, targets) -> SweepConfig:
                        prompts=ns.prompts, requests_per_level=ns.requests_per_level,
                        duration_per_level=ns.duration_per_level, model=ns.model, speedup=ns.speedup,
                        timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed,
-                       rounds=ns.rounds)
+                       rounds=ns.rounds, min_requests=ns.min_requests)
+
+
+async def warm_up(url: str, ns) -> dict:
+    """Closed-loop traffic to a learned configuration before its first measured level: equal time at each
+    warm-up concurrency (the model sees both pools at several loads). Returns what it got, for the report."""
+    prompts = load_prompts(ns.prompts)
+    extra = {"ignore_eos": True} if ns.ignore_eos else {}
+    each = ns.warmup_seconds / len(ns.warmup_concurrency) / ns.speedup  # wall seconds per step
+    done = failed = 0
+    for c in ns.warmup_concurrency:
+        spec = LoadSpec(url=url, prompts=prompts, model=ns.model, max_tokens=ns.max_tokens, duration=each,
+                        timeout=ns.timeout, extra_body=extra, seed=ns.seed + 1,
+                        level_timeout=each + ns.timeout + 60.0)
+        run = await run_closed(spec, c)
+        done += sum(1 for r in run.records if r.ok)
+        failed += sum(1 for r in run.records if not r.ok)
+    return {"seconds": ns.warmup_seconds, "concurrency": list(ns.warmup_concurrency), "requests": done,
+            "failed": failed}
 
 
 def _start_pair(ns, group: procs.ProcGroup) -> tuple[str, str]:
@@ -356,9 +407,9 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
 
     # Phase 1: each pool alone behind its own router (also the calibration data), and the references,
     # measured the same way at the same levels.
-    targets = [("all-baseline", router("spillover", False, True)),
-               ("all-speculative", router("spillover", True, False)), *refs]
-    single = run_async(run_sweep(_cfg(ns, targets)))
+    phase1 = [("all-baseline", router("spillover", False, True)),
+              ("all-speculative", router("spillover", True, False)), *refs]
+    single = run_async(run_sweep(_cfg(ns, phase1)))
     rec = None
     spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
     base_curve = calibrate.Curve.from_figs(single["all-baseline"])
@@ -375,16 +426,29 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
     # balanced runs on the curves phase 1 just measured, exactly as calibrate prints them for the router.
     spec_pts, base_pts = calibrate.curve_setting(spec_curve), calibrate.curve_setting(base_curve)
     targets = [(n, _routed(n, router, threshold, spec_pts, base_pts, g_threshold, hysteresis)) for n in ns.routed]
+    warmups = {}
+    if ns.warmup_seconds > 0:
+        for n, url in targets:
+            if n in LEARNED:
+                warmups[n] = run_async(warm_up(url, ns))
+                print(f"warm-up of {n}: {warmups[n]['requests']} requests in {ns.warmup_seconds:g} s",
+                      file=sys.stderr)
+    if ns.single_again and targets:
+        # The single pools once more, interleaved level by level with the routed configurations: other work on
+        # the host in phase 2 then weighs on them alike (phase 1 stays the calibration the routers were given).
+        targets += [(n, url) for n, url in phase1 if n in SINGLE]
     mixed = run_async(run_sweep(_cfg(ns, targets))) if targets else {}
+    learned = {n: run_async(learned_state(url)) for n, url in targets if n in LEARNED}
     configs = [n for n in CONFIGS if n in mixed or n in SINGLE]
-    results = {n: (mixed | single)[n] for n in configs} | {n: single[n] for n, _ in refs}
+    results = {n: (single | mixed)[n] for n in configs} | {n: single[n] for n, _ in refs}
     gpus = {n: ns.pair_gpus for n in configs} | {r.name: r.gpus for r in ns.reference}
     cfg = _cfg(ns, []).as_dict() | {
         "speculative": spec_url if external else ns.speculative_profile,
         "baseline": base_url if external else ns.baseline_profile, "threshold": threshold,
         "speculative_curve": spec_pts, "baseline_curve": base_pts,
         "objective": ns.objective, "command": cmd, "colocated": ns.colocated,
-        "deployment": "colocated" if ns.colocated else "split"}
+        "deployment": "colocated" if ns.colocated else "split", "min_requests": ns.min_requests,
+        "warmup": warmups, "learned": learned, "single_again": bool(ns.single_again and ns.routed)}
     if ns.colocated:
         cfg["kv_share"] = ns.kv_share
     if "global" in mixed:
@@ -416,9 +480,11 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
         return router("balanced", True, True, None, ["--speculative-curve", spec_pts, "--baseline-curve", base_pts])
     if name == "global":
         return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])
-    if name == "adaptive":
+    if name in LEARNED:
         # No curves: it learns, from its own requests and the servers' /v1/loads figures.
-        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", "0.5"])
+        objective = "throughput" if name == "adaptive-throughput" else "latency"
+        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", "0.5",
+                                                     "--objective", objective])
     raise ValueError(f"no router recipe for configuration {name!r}")
 
 
@@ -470,6 +536,13 @@ def report(data: dict) -> tuple[str, str, dict]:
     text += ["", f"verdict: spillover@{threshold} against the best other configuration, then balanced "
                  f"against the best other configuration (noise band {NOISE:.0%}):"]
     text += ["  " + line for line in lines]
+    warm = warmup_line(cfg, configs)
+    if cfg.get("single_again"):
+        warm += ("; " if warm else "") + ("all-baseline and all-speculative as reported were measured again in "
+                                          "phase 2, interleaved with the routed configurations (the calibration "
+                                          "the routers got is from phase 1)")
+    if warm:
+        text.append(warm)
     if rec is not None:
         text.append("calibrate's expected spillover vs measured (tok/s): " + ", ".join(
             f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
@@ -488,9 +561,42 @@ def report(data: dict) -> tuple[str, str, dict]:
     if refs:
         extra |= {"equal_hardware": eq_rows, "equal_hardware_text": eq_lines}
     md = _markdown(title, own, win, lines, calib, cfg.get("command", ""), rows, threshold, gpus)
+    if warm:
+        md = md.replace("\n\nCalibration (from", f"\n\n{warm}\n\nCalibration (from", 1) if calib else md + f"\n{warm}\n"
     if refs:
         md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, routed, refs, gpus))
     return "\n".join(text), md, extra
+
+
+async def learned_state(url: str) -> dict | None:
+    """What a learned configuration ended the run believing (GET /router/state), for the record."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(url + "/router/state") as resp:
+            return (await resp.json()).get("model") if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+def warmup_line(cfg: dict, configs: list[str]) -> str:
+    """What the learned configurations were given before their first level (the issue asks the report to say)."""
+    learned = [n for n in configs if n in LEARNED]
+    if not learned:
+        return ""
+    warm = cfg.get("warmup") or {}
+    speedup = cfg.get("speedup", 1.0)
+    parts = []
+    for n in learned:
+        w = warm.get(n)
+        if not w:
+            parts.append(f"{n}: no warm-up (it starts cold at the first level and keeps learning through them)")
+        else:
+            parts.append(f"{n}: warm-up of {w['seconds']:g} s of the servers' time ({w['seconds'] / speedup:g} s "
+                         f"wall at speedup {speedup:g}), {w['requests']} requests at concurrency "
+                         f"{'/'.join(map(str, w['concurrency']))} in equal shares, before the first level; "
+                         "it keeps learning through the levels")
+    levels_note = f"; at least {cfg['min_requests']} requests per level" if cfg.get("min_requests") else ""
+    return "warm-up: " + "; ".join(parts) + levels_note
 
 
 def _with_equal(md: str, eq_lines: list[str], table: str) -> str:

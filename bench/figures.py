@@ -88,6 +88,9 @@ def compute(run: LevelRun, speedup: float = 1.0) -> dict:
         "mean_concurrency": sum(e2es) / duration if duration > 0 else 0.0,
         "accept_length": run.accept_length,
         "usage_missing": sum(1 for r in ok if not r.usage_reported),
+        # Behind a router: the share of the level's completed requests it sent to the speculative pool.
+        "speculative_share": (sum(1 for r in ok if r.pool == "speculative") / len(ok)
+                              if ok and any(r.pool for r in ok) else None),
     }
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", gaps), ("e2e_latency", e2es)):
         for stat, v in summarize(vals).items():

@@ -46,6 +46,7 @@ class RequestRecord:
     usage_reported: bool = False
     error: str | None = None  # None = success
     done: bool = False  # the stream ended with `data: [DONE]` (an in-band error is explicit only then)
+    pool: str | None = None  # the router's X-Router-Pool answer header (None straight to a server)
 
     @property
     def ok(self) -> bool:
@@ -169,6 +170,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
         async with asyncio.timeout(limit_s):
             async with session.post(url + path, data=body,
                                     headers={"Content-Type": "application/json"}) as resp:
+                rec.pool = resp.headers.get("X-Router-Pool")
                 if resp.status != 200:
                     text = await resp.text(errors="replace")
                     try:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,8 @@ class Target:
     label: str
     url: str
     pid: int | None = None  # the proxy's process (memory is read from it); None for direct
-    figures: dict = field(default_factory=dict)
+    figures: dict = field(default_factory=dict)  # the latest repeat's
+    runs: list[dict] = field(default_factory=list)  # every repeat's figures, in order
 
 
 # ---- layout: which process runs on which core -------------------------------------------------------
@@ -284,6 +286,18 @@ def summary(figs: dict, concurrency: int) -> dict:
             "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream")}
 
 
+def median_summary(summaries: list[dict]) -> tuple[dict, dict]:
+    """Per figure: the median over the repeats that measured it, and its spread [min, max]. One noisy repeat
+    does not decide a figure, and the spread says how far to trust it."""
+    med: dict = {}
+    spread: dict = {}
+    for key in summaries[0] if summaries else ():
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        med[key] = round(statistics.median(values), 3) if values else None
+        spread[key] = [min(values), max(values)] if values else None
+    return med, spread
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -318,6 +332,10 @@ def _n(v: float | None, digits: int = 0) -> str:
     return "—" if v is None else f"{v:,.{digits}f}"
 
 
+def _span(v: list[float] | None, digits: int = 0) -> str:
+    return "—" if v is None else f"{v[0]:,.{digits}f}–{v[1]:,.{digits}f}"
+
+
 def _signed(v: float | None) -> str:
     return "—" if v is None else f"{v:+.2f} ms"
 
@@ -330,12 +348,19 @@ def render(result: dict) -> str:
     c = result["config"]["concurrency"]
     rows = [f"| | c=1 req/s (p50 ms) | c={c} req/s (p50 ms) | stream TTFB p50 | chunks/s, one core "
             f"| KiB per idle stream |", "|---|---|---|---|---|---|"]
+    repeats = result["config"]["repeat"]
     for t in result["targets"].values():
         s = t["summary"]
         rows.append(f"| {t['label']} | {_n(s['c1_req_per_s'])} ({_n(s['c1_p50_ms'], 2)}) "
                     f"| {_n(s['high_req_per_s'])} ({_n(s['high_p50_ms'], 2)}) "
                     f"| {_n(s['stream_ttfb_p50_ms'], 2)} ms | {_n(s['chunks_per_s'])} "
                     f"| {_n(s['kib_per_idle_stream'], 1)} |")
+        if repeats > 1:
+            r = t["spread"]
+            rows.append(f"| &nbsp; spread of {repeats} | {_span(r['c1_req_per_s'])} ({_span(r['c1_p50_ms'], 2)}) "
+                        f"| {_span(r['high_req_per_s'])} ({_span(r['high_p50_ms'], 2)}) "
+                        f"| {_span(r['stream_ttfb_p50_ms'], 2)} | {_span(r['chunks_per_s'])} "
+                        f"| {_span(r['kib_per_idle_stream'], 1)} |")
     for key, label in (("router_vs_direct", "this router vs direct"), ("router_vs_peer", f"this router vs {PEER}")):
         r = result.get(key)
         if r:
@@ -367,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "through one proxy core, proxy memory per open idle stream. Targets: direct to a fast fake "
                     f"SGLang backend, this router, and {PEER} when installed (pip install 'spec-router[peers]').")
     p.add_argument("--duration", type=float, default=3.0, help="seconds measured per point (default 3)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of every target, interleaved; the table shows each figure's median and spread, "
+                        "ratios come from the medians (default 3)")
     p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each point (default 0.5)")
     p.add_argument("--concurrency", type=int, default=64, help="the high concurrency level (default 64)")
     p.add_argument("--pace-ms", type=float, default=5.0, help="gap between tokens of the TTFB stream (default 5)")
@@ -387,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(ns: argparse.Namespace) -> str | None:
     if ns.duration <= 0 or ns.warmup < 0:
         return "--duration must be > 0 and --warmup >= 0"
+    if ns.repeat < 1:
+        return "--repeat must be >= 1"
     if min(ns.concurrency, ns.stream_tokens, ns.long_tokens, ns.long_streams) < 1 or ns.idle_streams < 0:
         return "--concurrency, --stream-tokens, --long-tokens, --long-streams must be >= 1, --idle-streams >= 0"
     if ns.pace_ms < 0:
@@ -408,7 +438,7 @@ def _version(dist: str) -> str:
 
 
 def run(ns: argparse.Namespace) -> dict:
-    from bench.stress import raise_fd_limit, run_async
+    from bench.stress import raise_fd_limit
 
     raise_fd_limit(4 * ns.idle_streams + 4 * ns.concurrency + 256)
     cpus = plan_cpus(not ns.no_pin)
@@ -421,36 +451,21 @@ def run(ns: argparse.Namespace) -> dict:
     with procs.ProcGroup() as group, tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         with pinned(cpus["backend"]):
             backend = group.add(procs.start("fast backend", ["bench.fastbackend", "--port", "0"]))
-        for name in wanted:
-            log = None
-            if name == "direct":
-                targets[name] = Target(name, "direct to the backend", backend.url)
-                continue
-            with pinned(cpus["proxy"]):
-                if name == "router":
-                    proc = group.add(procs.start_router([backend.url], [], ns.router_policy, 10**6, extra=[
-                        "--log-level", "warning"]))
-                    label = f"this router ({ns.router_policy})"
-                else:
-                    log = Path(tmp) / "sglang-router.log"
-                    proc = group.add(start_peer(backend.url, ns.peer_policy, log))
-                    label = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})"
-            targets[name] = Target(name, label, proc.url, proc.pid)
-            # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
-            try:
-                run_async(_measure_pinned(targets[name], backend.url, ns, cpus["load"], proc.proc, log))
-            finally:
-                group.stop(proc)
-        if "direct" in targets:
-            run_async(_measure_pinned(targets["direct"], backend.url, ns, cpus["load"], None))
-    summaries = {n: summary(t.figures, ns.concurrency) for n, t in targets.items()}
+        # Repeats interleave the targets, so a noisy minute on the machine hits every target, not just one.
+        for _ in range(ns.repeat):
+            for name in wanted:
+                _measure_once(name, targets, backend.url, ns, cpus, group, Path(tmp))
+    summaries, spreads = {}, {}
+    for n, t in targets.items():
+        summaries[n], spreads[n] = median_summary([summary(figs, ns.concurrency) for figs in t.runs])
     vs_direct = compare(summaries["router"], summaries["direct"]) if {"router", "direct"} <= set(targets) else None
     vs_peer = compare(summaries["router"], summaries[PEER]) if {"router", PEER} <= set(targets) else None
     layout = ("no pinning" if cpus["proxy"] is None else
               f"proxy pinned to cpu {sorted(cpus['proxy'])}, backend to {sorted(cpus['backend'])}, "
               f"load generator to {sorted(cpus['load'])}")
     notes += [f"{os.cpu_count()} cores; {layout}; one fake SGLang backend (bench.fastbackend); "
-              f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections"]
+              f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections; "
+              f"{ns.repeat} interleaved repeat(s), medians shown, ratios from medians"]
     how = {"stream": f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, c=1",
            "long": f"chunks/s: {ns.long_streams} streams of {ns.long_tokens} tokens as fast as the backend writes "
                    "them (SSE events received by the client per second)",
@@ -458,19 +473,50 @@ def run(ns: argparse.Namespace) -> dict:
                    "streams after their first token, per stream"}
     if parts := [text for point, text in how.items() if point in ns.points]:
         notes.append("; ".join(parts))
-    errors = {n: sum(v.get("errors", 0) for v in t.figures.values()) for n, t in targets.items()}
+    errors = {n: sum(v.get("errors", 0) for figs in t.runs for v in figs.values()) for n, t in targets.items()}
     if any(errors.values()):
         notes.append("errors during measurement: " + ", ".join(f"{n} {e}" for n, e in errors.items() if e))
-    return {"config": {"duration_s": ns.duration, "warmup_s": ns.warmup, "concurrency": ns.concurrency,
+    return {"config": {"duration_s": ns.duration, "warmup_s": ns.warmup, "repeat": ns.repeat,
+                       "concurrency": ns.concurrency,
                        "pace_ms": ns.pace_ms, "stream_tokens": ns.stream_tokens, "long_tokens": ns.long_tokens,
                        "long_streams": ns.long_streams, "idle_streams": ns.idle_streams,
                        "points": ns.points, "router_policy": ns.router_policy, "peer_policy": ns.peer_policy,
                        "cpus": {k: sorted(v) if v else None for k, v in cpus.items()}, "cores": os.cpu_count(),
                        "peer_version": _version(PEER) if PEER in targets else None},
-            "targets": {n: {"label": t.label, "summary": summaries[n], "figures": t.figures}
+            "targets": {n: {"label": t.label, "summary": summaries[n], "spread": spreads[n], "runs": t.runs}
                         for n, t in targets.items()},
             "router_vs_direct": vs_direct, "router_vs_peer": vs_peer,
             "goals": goals(summaries, vs_direct, vs_peer) if "router" in targets else [], "notes": notes}
+
+
+def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: argparse.Namespace,
+                  cpus: dict, group: procs.ProcGroup, tmp: Path) -> None:
+    """One repeat of one target: a fresh proxy process for it, measured, then stopped."""
+    from bench.stress import run_async
+
+    if name == "direct":
+        t = targets.setdefault(name, Target(name, "direct to the backend", backend_url))
+        run_async(_measure_pinned(t, backend_url, ns, cpus["load"], None))
+        t.runs.append(t.figures)
+        return
+    log = None
+    with pinned(cpus["proxy"]):
+        if name == "router":
+            proc = group.add(procs.start_router([backend_url], [], ns.router_policy, 10**6, extra=[
+                "--log-level", "warning"]))
+            label = f"this router ({ns.router_policy})"
+        else:
+            log = tmp / "sglang-router.log"
+            proc = group.add(start_peer(backend_url, ns.peer_policy, log))
+            label = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})"
+    t = targets.setdefault(name, Target(name, label, proc.url))
+    t.url, t.pid = proc.url, proc.pid
+    # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
+    try:
+        run_async(_measure_pinned(t, backend_url, ns, cpus["load"], proc.proc, log))
+    finally:
+        group.stop(proc)
+    t.runs.append(t.figures)
 
 
 async def _measure_pinned(t: Target, backend_url: str, ns: argparse.Namespace, cpus: set[int] | None,

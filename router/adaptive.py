@@ -28,6 +28,33 @@ MIN_POOL_SAMPLES = 3
 EXPLORE_FLOOR = 0.7
 # A relative change of the reported accept length beyond this rescales the model at once.
 ACCEPT_JUMP = 0.08
+# Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
+# where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
+# band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
+# (where that costs little; a pool with a prior from a calibration is known there already).
+LOW_LOAD = 3
+LOW_LOAD_SAMPLES = 5
+LOW_LOAD_EXPLORE = 0.5
+
+
+def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
+    """What one finished exchange says of its server: (n running, seconds per token per request while it
+    decoded), or None when it says nothing usable. `limit`: the server's max_running_requests, if known."""
+    tokens = obs.completion_tokens
+    if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
+        return None
+    if obs.ttft_s is not None and obs.chunks >= 2:
+        # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
+        decode = obs.duration_s - obs.ttft_s
+        y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
+    else:
+        y = obs.duration_s / tokens
+    if y <= 0:
+        return None
+    n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
+    if limit is not None:
+        n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
+    return n, y
 
 
 class Adaptive:
@@ -109,23 +136,10 @@ class Adaptive:
 
     def observe(self, obs: Observation) -> None:
         """One finished exchange: seconds per token while it decoded, against the requests running then."""
-        tokens = obs.completion_tokens
-        if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
-            return
-        if obs.ttft_s is not None and obs.chunks >= 2:
-            # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
-            decode = obs.duration_s - obs.ttft_s
-            y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
-        else:
-            y = obs.duration_s / tokens
-        if y <= 0:
-            return
-        n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
         m = self.models.get(obs.url)
-        limit = m.max_running if m is not None else self.max_running
-        if limit is not None:
-            n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
-        self._fold(obs.pool, obs.url, n, y, "request")
+        got = sample(obs, m.max_running if m is not None else self.max_running)
+        if got is not None:
+            self._fold(obs.pool, obs.url, got[0], got[1], "request")
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: the server's own throughput at its own running count."""
@@ -186,11 +200,18 @@ class Adaptive:
         else:
             spec_first = s_score > b_score
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
-        if self.explore > 0 and rng.random() < self.explore:
+        if self.explore > 0:
             top, low = max(s_score, b_score)[0], min(s_score, b_score)[0]
-            stale = self.decisions - self.last_seen.get(alt.pool, 0) > self.stale_after
-            if low >= EXPLORE_FLOOR * top or stale:
+            cheap = low >= EXPLORE_FLOOR * top
+            n_alt = alt.load_estimate + 1
+            if (cheap and n_alt <= LOW_LOAD and alt.pool not in self.priors
+                    and self.model(alt.pool, alt.pool).band_samples(n_alt) < LOW_LOAD_SAMPLES
+                    and rng.random() < LOW_LOAD_EXPLORE):
                 return Decision(alt, EXPLORE)
+            if rng.random() < self.explore:
+                stale = self.decisions - self.last_seen.get(alt.pool, 0) > self.stale_after
+                if cheap or stale:
+                    return Decision(alt, EXPLORE)
         return Decision(pick, GAIN)
 
     # ---- what it learned, for /router/state and the metrics

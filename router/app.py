@@ -21,7 +21,7 @@ from router.policy import Policy
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
-from router.upstream import Limits, make_session
+from router.upstream import Limits, make_client
 
 log = logging.getLogger("router")
 
@@ -43,7 +43,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
                      resolver=resolver)
-    app = web.Application(middlewares=[handlers.count_rejections, error_middleware, handlers.auth_middleware],
+    app = web.Application(middlewares=[handlers.edge],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
     _add(app, "POST", exchange.CHAT, exchange.chat_completions)
@@ -116,10 +116,10 @@ async def _drain_deadline(app: web.Application) -> None:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
-    st.session = make_session(st.settings)
+    st.client = make_client(st.settings)
     yield
-    # Runs after the drain: no handler uses the session any more.
-    await st.session.close()
+    # Runs after the drain: no handler uses the client any more.
+    st.client.close()
 
 
 async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -129,7 +129,7 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         # Its connection limit first: a newcomer is not routable before this probe passes.
         st.limits.add(b.url)
         st.metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: st.limits.waiting[u])
-        if st.health is not None and st.health.session is not None:
+        if st.health is not None and st.health.client is not None:
             await st.health.probe(b)
 
     st.discovery = Discovery(st.pools, st.settings, st.metrics, st.resolver, on_added=probe_new)
@@ -150,8 +150,8 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _loads_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
-    assert st.session is not None
-    poller = LoadPoller(st.pools, st.settings, st.session, st.metrics)
+    assert st.client is not None
+    poller = LoadPoller(st.pools, st.settings, st.client, st.metrics)
     poller.start()
     yield
     await poller.stop()

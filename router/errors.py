@@ -126,12 +126,19 @@ async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
-    except RouterError as err:
-        allow = getattr(err, "allow", "")
-        return error_response(err, {"Allow": allow} if allow else None)
-    except web.HTTPException as exc:
+    except Exception as exc:
+        return translate(request, exc)
+
+
+def translate(request: web.Request, exc: Exception) -> web.StreamResponse:
+    """The answer for an exception a handler raised (called from an `except` block); re-raises what is not ours
+    to answer (a client that went away, a redirect)."""
+    if isinstance(exc, RouterError):
+        allow = getattr(exc, "allow", "")
+        return error_response(exc, {"Allow": allow} if allow else None)
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         cls = _HTTP_MAP.get(exc.status)
         if cls is None:
             err: RouterError = RouterError(exc.reason)
@@ -147,8 +154,7 @@ async def error_middleware(request: web.Request,
             err = cls(exc.text or exc.reason)
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return error_response(err, headers)
-    except ConnectionError:
-        raise
-    except Exception:
-        log.exception("unhandled error for %s %s", request.method, request.path[:200])
-        return error_response(RouterError("internal router error"))
+    if isinstance(exc, ConnectionError):
+        raise exc
+    log.exception("unhandled error for %s %s", request.method, request.path[:200])
+    return error_response(RouterError("internal router error"))

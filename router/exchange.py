@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 from aiohttp import web
 
 from router import upstream
@@ -19,6 +18,7 @@ from router.errors import (
     error_response,
     sse_error_event,
 )
+from router.h1 import Response
 from router.observe import (
     CONNECT_TIMEOUT,
     DISCONNECTED,
@@ -70,6 +70,9 @@ def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str
 class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
+    __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
+                 "chunks", "cut", "late", "first", "cancelling", "delivered", "watchdog", "slot")
+
     def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
         self.st = st
         self.request = request
@@ -77,12 +80,15 @@ class Exchange:
         self.code = CLIENT_CLOSED
         self.t0 = time.monotonic()
         self.usage = Usage()
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: Response | None = None
         self.task = asyncio.current_task()
         self.inflight_at_start = lease.backend.inflight
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
+        self.late = False  # set when first_byte_timeout ran out before the first byte came
+        self.first: bytes | None = None  # a stream's first chunk until stream() takes it
+        self.cancelling = 0  # the task's pending cancellations when the first-byte deadline was armed
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
         self.slot: str | None = None  # the backend whose connection slot this exchange holds
@@ -102,6 +108,19 @@ class Exchange:
         self.cut = False
         return self.task.uncancel() == 0
 
+    def first_byte_late(self) -> None:
+        """first_byte_timeout is up: stop waiting (one timer handle, cheaper than an asyncio.timeout context)."""
+        if self.task is not None and not self.task.done():
+            self.late = True
+            self.task.cancel()
+
+    def absorb_late(self) -> bool:
+        """True when the CancelledError being handled is first_byte_late()'s alone (as asyncio.timeout decides)."""
+        if not self.late or self.task is None:
+            return False
+        self.late = False
+        return self.task.uncancel() <= self.cancelling
+
     @property
     def pool(self) -> str:
         return self.lease.backend.pool
@@ -115,16 +134,16 @@ class Exchange:
         self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
 
     async def start(self, path: str, body: bytes, stream: bool
-                    ) -> tuple[aiohttp.ClientResponse, bytes | None, web.Response | None]:
+                    ) -> tuple[Response, bytes | None, web.Response | None]:
         """Send the request and wait for its first chunk (streams) or whole body; until a byte went to the client,
         a refused connection, a 502/503, or a backend closing the connection is retried on another backend."""
-        assert self.st.session is not None
+        assert self.st.client is not None
         attempts = 0
         while True:
             b = self.lease.backend
             await self.take_slot()
             try:
-                resp = await upstream.send(self.st.session, b.url, path, body,
+                resp = await upstream.send(self.st.client, b.url, path, body,
                                            upstream_headers(self.request, b.api_key))
             except UpstreamError as err:
                 self.upstream_failed(err)
@@ -156,26 +175,24 @@ class Exchange:
     async def take_slot(self) -> None:
         """One of the backend's max_connections_per_backend places; a wait shows in the metrics."""
         url = self.lease.backend.url
-        sem = self.st.limits.slots[url]
-        if sem.locked():
+        gate = self.st.limits.slots[url]
+        if not gate.try_take():
             t = time.monotonic()
             self.st.limits.waiting[url] += 1
             try:
-                await sem.acquire()
+                await gate.take()
             finally:
                 self.st.limits.waiting[url] -= 1
             m = self.st.metrics
             m.child(m.upstream_wait, self.pool).observe(time.monotonic() - t)
-        else:
-            await sem.acquire()  # free: returns at once
         self.slot = url
 
     def give_slot(self) -> None:
         if self.slot is not None:
-            self.st.limits.slots[self.slot].release()
+            self.st.limits.slots[self.slot].give()
             self.slot = None
 
-    def _retry(self, resp: aiohttp.ClientResponse | None = None) -> bool:
+    def _retry(self, resp: Response | None = None) -> bool:
         new = self.st.pools.acquire_retry(self.lease.backend)
         if new is None:
             return False
@@ -191,17 +208,18 @@ class Exchange:
         m.child(m.retries, new.backend.pool).inc()
         return True
 
-    async def buffered(self, resp: aiohttp.ClientResponse) -> web.Response:
+    async def buffered(self, resp: Response) -> web.Response:
         body = await upstream.read_body(resp, self.lease.backend.url)
         if resp.status == 200 and b'"usage"' in body:
             self.usage.take(usage_view(body))
         headers = self.headers()
-        if "Content-Type" in resp.headers:
-            headers["Content-Type"] = resp.headers["Content-Type"]
+        if resp.ctype is not None:
+            headers["Content-Type"] = resp.ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def stream(self, resp: aiohttp.ClientResponse, first: bytes, strip: bool) -> web.StreamResponse:
-        """Forward complete SSE events as they arrive; `first` is the first chunk, read before any byte went out.
+    async def stream(self, resp: Response, strip: bool) -> web.StreamResponse:
+        """Forward complete SSE events as they arrive, from `self.first` on (the first chunk, read before any byte
+        went out).
 
         Writes do not wait for the client (up to write_buffer_bytes), so the upstream is read at the backend's
         pace and the lease ends when the backend's answer does; the client then gets the rest within
@@ -211,12 +229,12 @@ class Exchange:
         s = self.st.settings
         url = self.lease.backend.url
         cap = s.write_buffer_bytes
-        headers = {**self.headers(), "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+        headers = {**self.headers(), "Content-Type": resp.ctype or "text/event-stream",
                    "Cache-Control": "no-cache"}
         out = web.StreamResponse(status=resp.status, headers=headers)
         buf = b""
         last = None
-        chunk = first
+        chunk, self.first = self.first, None
         done_sent = False
         try:
             writer = await out.prepare(self.request)
@@ -243,6 +261,7 @@ class Exchange:
                     self.delivered = done_sent and not transport.get_write_buffer_size()
                     if transport.get_write_buffer_size() > cap:
                         await writer.drain()  # the client is that far behind: let the backend wait too
+                events = chunk = None  # forwarded: an idle stream holds no bytes while it waits
                 try:
                     chunk = await upstream.read_chunk(resp, url, IDLE)
                 except UpstreamError as err:
@@ -290,7 +309,7 @@ class Exchange:
         self.give_slot()
         if self.upstream is not None:
             # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
-            if self.upstream.content.at_eof():
+            if self.upstream.at_eof():
                 self.upstream.release()
             else:
                 self.upstream.close()
@@ -340,15 +359,23 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
     ex = Exchange(st, request, lease)
     try:
+        assert ex.task is not None
+        ex.cancelling = ex.task.cancelling()
+        deadline = asyncio.get_running_loop().call_later(st.settings.first_byte_timeout, ex.first_byte_late)
         try:
-            async with asyncio.timeout(st.settings.first_byte_timeout):
-                resp, first, out = await ex.start(path, body, stream)
-        except TimeoutError as exc:
-            err = upstream.map_error(exc, ex.lease.backend.url, FIRST_BYTE, got_headers=False)
+            resp, first, out = await ex.start(path, body, stream)
+        except asyncio.CancelledError:
+            if not ex.absorb_late():
+                raise
+            err = upstream.map_error(TimeoutError(), ex.lease.backend.url, FIRST_BYTE, got_headers=False)
             ex.upstream_failed(err)
             raise err from None
+        finally:
+            deadline.cancel()
+        body = None  # sent: an open stream holds only what it still has to forward
         if first is not None:
-            return await ex.stream(resp, first, strip=not client_wants_usage)
+            ex.first, first = first, None
+            return await ex.stream(resp, strip=not client_wants_usage)
         assert out is not None
         ex.code = str(out.status)
         return out

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from collections.abc import Awaitable, Callable
 
 from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router import upstream
 from router.errors import (
     ExpectationFailed,
     MethodNotAllowed,
@@ -15,11 +17,11 @@ from router.errors import (
     NotFound,
     Unauthorized,
     error_response,
+    translate,
 )
 from router.exchange import BACKEND_HEADER
 from router.pools import Backend
 from router.state import STATE, RouterState
-from router.upstream import TRANSPORT_ERRORS
 
 
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
@@ -47,18 +49,22 @@ async def unrouted(request: web.Request) -> web.StreamResponse:
 
 
 @web.middleware
-async def count_rejections(request: web.Request,
-                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Count answers the router gave without any backend (400/401/404/405/413/503) as pool="none"."""
-    resp = await handler(request)
+async def edge(request: web.Request,
+               handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The one middleware of the API app (one frame per request, not three): the API key, errors as OpenAI
+    JSON (router.errors.translate), and answers the router gave without any backend (400/401/404/405/413/503)
+    counted as pool="none"."""
+    try:
+        authorize(request)
+        resp = await handler(request)
+    except Exception as exc:
+        resp = translate(request, exc)
     if resp.status >= 400 and BACKEND_HEADER not in resp.headers:
         request.app[STATE].metrics.requests.labels("none", "none", str(resp.status)).inc()
     return resp
 
 
-@web.middleware
-async def auth_middleware(request: web.Request,
-                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+def authorize(request: web.Request) -> None:
     st = request.app[STATE]
     # /router/ (the learned state) shows backend URLs and loads: as private as the API itself.
     if (st.api_key is not None and request.path.startswith(("/v1/", "/router/"))
@@ -70,7 +76,6 @@ async def auth_middleware(request: web.Request,
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"),
                                                                  st.api_key):
             raise Unauthorized("missing or invalid API key; send Authorization: Bearer KEY")
-    return await handler(request)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -78,18 +83,18 @@ async def models(request: web.Request) -> web.Response:
     if st.settings.served_model_name:
         data = [{"id": st.settings.served_model_name, "object": "model", "created": 0, "owned_by": "spec-router"}]
         return web.json_response({"object": "list", "data": data})
-    assert st.session is not None
-    session = st.session
+    assert st.client is not None
+    client = st.client
     backends = [b for b in st.pools.backends if b.healthy]
 
     async def fetch(b: Backend) -> list:
         try:
             async with asyncio.timeout(st.settings.health_timeout):
-                async with session.get(b.url + "/v1/models", headers=b.auth_headers) as resp:
-                    if resp.status != 200:
-                        return []
-                    got = await resp.json(content_type=None)
-        except (*TRANSPORT_ERRORS, ValueError):
+                status, body = await upstream.get(client, b.url, "/v1/models", b.auth_headers)
+            if status != 200:
+                return []
+            got = json.loads(body)
+        except (*upstream.TRANSPORT_ERRORS, ValueError):
             return []
         data = got.get("data") if isinstance(got, dict) else None
         return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(data, list) else []

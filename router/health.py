@@ -4,13 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
+from router import upstream
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.tasks import cancel
-from router.upstream import is_local
 
 log = logging.getLogger("router.health")
 
@@ -21,7 +19,7 @@ class HealthChecker:
     def __init__(self, pools: Pools, settings: Settings, metrics: Metrics) -> None:
         self.pools = pools
         self.settings = settings
-        self.session: aiohttp.ClientSession | None = None
+        self.client: upstream.Client | None = None
         self.metrics = metrics
         self.first_round = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -30,14 +28,13 @@ class HealthChecker:
         s = self.settings
         headers = b.auth_headers
         was = b.healthy
-        assert self.session is not None
+        assert self.client is not None
         try:
             async with asyncio.timeout(s.health_timeout):
-                async with self.session.get(b.url + "/health", headers=headers) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-        except aiohttp.ClientConnectorError as exc:
-            if is_local(exc):
+                status, _ = await upstream.get(self.client, b.url, s.health_path, headers)
+                ok = status == 200
+        except upstream.ConnectFailed as exc:
+            if upstream.is_local(exc):
                 # Our own trouble (file descriptors, DNS) says nothing about the backend: no verdict.
                 log.warning("health probe of %s not sent: %s", b.url, exc)
                 self.metrics.health_probes.labels(b.url, "local").inc()
@@ -45,7 +42,7 @@ class HealthChecker:
             # Refused counts like any failed probe: one refusal (a restart) must not take it out alone.
             b.probe_failed(s.health_failure_threshold)
             self.metrics.health_probes.labels(b.url, "refused").inc()
-        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        except upstream.TRANSPORT_ERRORS:
             b.probe_failed(s.health_failure_threshold)
             self.metrics.health_probes.labels(b.url, "failed").inc()
         else:
@@ -77,12 +74,12 @@ class HealthChecker:
     def start(self) -> None:
         # A fresh connection per probe: a backend that stopped accepting connections must fail its probe
         # even while an old keep-alive connection to it still works.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout))
+        # The probe as a whole is bounded by health_timeout, its connect included (as before).
+        self.client = upstream.Client(self.settings.health_timeout, 10**6, 0, keep_alive=False)
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            self.client.close()

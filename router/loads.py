@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
-import aiohttp
-
+from router import upstream
 from router.metrics import Metrics
 from router.observe import LoadFigures
 from router.pools import Backend, Pools
@@ -52,10 +52,10 @@ def parse_loads(doc: object) -> int | None:
 class LoadPoller:
     """Every `load_interval` seconds, asks each healthy backend for its load; a failed poll forgets the figure."""
 
-    def __init__(self, pools: Pools, settings: Settings, session: aiohttp.ClientSession, metrics: Metrics) -> None:
+    def __init__(self, pools: Pools, settings: Settings, client: upstream.Client, metrics: Metrics) -> None:
         self.pools = pools
         self.settings = settings
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self._task: asyncio.Task | None = None
 
@@ -64,11 +64,10 @@ class LoadPoller:
         figs = None
         try:
             async with asyncio.timeout(self.settings.health_timeout):
-                async with self.session.get(b.url + "/v1/loads", params={"include": "core,spec"},
-                                            headers=headers) as resp:
-                    if resp.status == 200:
-                        figs = parse_figures(await resp.json(content_type=None))
-        except (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError):
+                status, body = await upstream.get(self.client, b.url, "/v1/loads?include=core,spec", headers)
+            if status == 200:
+                figs = parse_figures(json.loads(body))
+        except (*upstream.TRANSPORT_ERRORS, ValueError):
             figs = None
         load = None if figs is None else figs.running + figs.waiting
         # Without a fresh figure fall back to our own counts rather than trust a stale one.

@@ -157,6 +157,9 @@ class Settings(BaseSettings):
     retries: int = Field(1, ge=0, le=3, description="retries on another backend before the first byte")
 
     health_interval: float = Field(5.0, gt=0, description="seconds between active /health probes")
+    health_path: str = Field("/health", pattern=r"^/[^?#\s]*$", description="path the active probe GETs; 200 means "
+                             "up (SGLang and llama.cpp's llama-server: /health; llama-cpp-python's server has none: "
+                             "/openapi.json, which answers without waiting for the model)")
     health_timeout: float = Field(5.0, gt=0, description="seconds a probe may take")
     health_failure_threshold: int = Field(3, ge=1, description="failed probes in a row that mark a backend down")
     health_success_threshold: int = Field(2, ge=1, description="good probes in a row that mark it up again")

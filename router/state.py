@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from router.discovery import Discovery, Resolver
@@ -11,7 +10,7 @@ from router.health import HealthChecker
 from router.metrics import Metrics
 from router.pools import Pools
 from router.settings import Settings
-from router.upstream import Limits
+from router.upstream import Client, Limits
 
 
 @dataclass
@@ -20,7 +19,7 @@ class RouterState:
     pools: Pools
     metrics: Metrics
     limits: Limits
-    session: aiohttp.ClientSession | None = None
+    client: Client | None = None  # to the backends (router.upstream)
     health: HealthChecker | None = None
     metrics_url: str | None = None  # set when /metrics listens on its own address
     api_key: bytes | None = field(default=None, repr=False)

@@ -36,7 +36,7 @@ def split_events(buf: bytes) -> tuple[bytes, bytes]:
     return b"", buf
 
 
-@dataclass
+@dataclass(slots=True)
 class Usage:
     prompt: int = 0
     completion: int = 0

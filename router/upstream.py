@@ -1,10 +1,13 @@
-"""The HTTP client session to backends, and the one place where transport exceptions become router errors."""
+"""The HTTP/1.1 client to backends (keep-alive pools) and the one place where transport errors become router errors."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
-
-import aiohttp
+import socket
+import ssl
+import time
+from urllib.parse import urlsplit
 
 from router.errors import (
     UpstreamConnectError,
@@ -13,51 +16,57 @@ from router.errors import (
     UpstreamLocalError,
     UpstreamTimeout,
 )
+from router.h1 import Closed, Connection, ProtocolError, Response
 from router.settings import Settings
 
 # Phases of an upstream exchange; a timeout's kind names the phase it hit.
 CONNECT, FIRST_BYTE, IDLE = "connect", "first_byte", "idle"
 # Connect errors that come from this host's own limits, whatever the backend's state.
 _LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL))
+# An idle kept-alive connection is dropped after this long: uvicorn (SGLang, vLLM) and llama.cpp's server close
+# theirs after 5 s, and a request sent on a connection the server is closing fails for nothing.
+KEEPALIVE_S = 4.0
+
+
+class ConnectFailed(Exception):
+    """Opening a connection to a backend failed; `os_error` says why."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class ConnectTimeout(TimeoutError):
+    """Opening a connection took longer than connect_timeout."""
+
+
+# What the client raises for a transport failure. On the hot path only the functions below catch it,
+# so every failure reaches the proxy as one UpstreamError shape.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (ConnectFailed, ProtocolError, OSError)
 
 
 def is_local(exc: BaseException) -> bool:
     """A connect failure of ours (out of file descriptors, memory or ports; a DNS lookup), not the backend's."""
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return True
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return exc.os_error.errno in _LOCAL_ERRNOS
-    return False
-
-
-def make_session(settings: Settings) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0,
-                                     enable_cleanup_closed=False, ttl_dns_cache=300)
-    # Only connect is bounded here; first-byte and idle deadlines are per request (asyncio.timeout).
-    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
-                                    sock_connect=settings.connect_timeout)
-    # auto_decompress off: bodies pass through as the backend sent them.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                 skip_auto_headers=("Accept-Encoding",), raise_for_status=False)
+    if not isinstance(exc, ConnectFailed):
+        return False
+    return isinstance(exc.os_error, socket.gaierror) or exc.os_error.errno in _LOCAL_ERRNOS
 
 
 def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
     """Translate a transport exception into the router's hierarchy; the only place that does so."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, ConnectTimeout):
         err = UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
         err.retryable = True  # the request never left: another backend may take it
         return err
     if isinstance(exc, TimeoutError):
         what = "first byte" if phase != IDLE else "next chunk"
         return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
-    if is_local(exc):
-        reason = exc.os_error.strerror if isinstance(exc, aiohttp.ClientConnectorError) else None
-        return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason or exc}",
-                                  backend=backend)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamConnectError(f"cannot connect to backend {backend}: {exc.os_error.strerror or exc}",
-                                    backend=backend)
-    if isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | ConnectionError):
+    if isinstance(exc, ConnectFailed):
+        reason = exc.os_error.strerror or exc.os_error
+        if is_local(exc):
+            return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason}", backend=backend)
+        return UpstreamConnectError(f"cannot connect to backend {backend}: {reason}", backend=backend)
+    if isinstance(exc, ConnectionError) or (got_headers and isinstance(exc, ProtocolError)):
         err = UpstreamDisconnected(f"backend {backend} closed the connection", backend=backend)
         # Nothing was received, so nothing reached the client: as safe to retry as a refusal.
         err.retryable = not got_headers
@@ -66,32 +75,162 @@ def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool
 
 
 def is_transport_error(exc: BaseException) -> bool:
-    return isinstance(exc, TRANSPORT_ERRORS) and not isinstance(exc, asyncio.CancelledError)
+    return isinstance(exc, TRANSPORT_ERRORS)
 
 
-# What aiohttp's client raises for a transport failure. On the hot path only the functions below catch it,
-# so every failure reaches the proxy as one UpstreamError shape.
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, ConnectionError, TimeoutError)
+class Endpoint:
+    """One backend URL: where to connect, what to put in the request line and Host, its idle connections."""
+
+    __slots__ = ("host", "port", "ssl", "prefix", "head", "idle", "max_idle")
+
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None, max_idle: int) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl_context if parts.scheme == "https" else None
+        self.prefix = parts.path.rstrip("/")
+        self.head = f"Host: {parts.netloc}\r\n"
+        self.idle: list[Connection] = []
+        self.max_idle = max_idle
+
+    def take(self, now: float) -> Connection | None:
+        idle = self.idle
+        while idle:
+            conn = idle.pop()  # the newest: the one least likely to have been closed by the backend
+            if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def put(self, conn: Connection) -> None:
+        if len(self.idle) < self.max_idle:
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
+        else:
+            conn.close()
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None) -> bytes:
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self.head}"
+        if body is not None:
+            head += f"Content-Length: {len(body)}\r\n"
+        for name, value in (headers or {}).items():
+            if "\n" in value or "\r" in value:
+                continue  # a value that would split the request is not forwarded
+            head += f"{name}: {value}\r\n"
+        # surrogateescape: header bytes that were not UTF-8 go out as they came in.
+        data = (head + "\r\n").encode("utf-8", "surrogateescape")
+        return data + body if body else data
 
 
-async def send(session: aiohttp.ClientSession, backend: str, path: str, body: bytes,
-               headers: dict[str, str]) -> aiohttp.ClientResponse:
+class Client:
+    """Keep-alive connections per backend; at most `max_connections` requests open to all backends together.
+
+    `keep_alive=False` opens a fresh connection for every request (health probes: a backend that stopped
+    accepting must fail its probe even while an old connection to it still works)."""
+
+    def __init__(self, connect_timeout: float, max_connections: int, max_idle_per_backend: int,
+                 keep_alive: bool = True) -> None:
+        self.connect_timeout = connect_timeout
+        self.keep_alive = keep_alive
+        self.max_idle = max_idle_per_backend if keep_alive else 0
+        self._endpoints: dict[str, Endpoint] = {}
+        self._slots = Gate(max_connections)
+        self._ssl: ssl.SSLContext | None = None
+        self._loop = asyncio.get_running_loop()
+        self.closed = False
+
+    def endpoint(self, url: str) -> Endpoint:
+        ep = self._endpoints.get(url)
+        if ep is None:
+            if url.startswith("https:") and self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            ep = self._endpoints[url] = Endpoint(url, self._ssl, self.max_idle)
+        return ep
+
+    async def request(self, method: str, url: str, path: str, body: bytes | None,
+                      headers: dict[str, str] | None) -> Response:
+        """Send one request and wait for its status line and headers. Raises ConnectFailed, ConnectTimeout,
+        Closed, ProtocolError (each mapped by map_error)."""
+        ep = self.endpoint(url)
+        data = ep.request(method, path, body, headers)
+        if not self._slots.try_take():
+            await self._slots.take()
+        try:
+            conn = ep.take(time.monotonic())
+            while True:
+                fresh = conn is None
+                if conn is None:
+                    conn = await self._connect(ep)
+                resp = Response(conn, self._done)
+                conn.send(data, resp)
+                try:
+                    await resp.wait_head()
+                    return resp
+                except Closed:
+                    conn.close()
+                    if fresh or conn.got_bytes:
+                        raise
+                    # A kept-alive connection the backend closed as we sent: it never saw the request.
+                    conn = None
+                except BaseException:
+                    conn.close()
+                    raise
+        except BaseException:
+            self._slots.give()
+            raise
+
+    def _done(self, conn: Connection | None) -> None:
+        """A response was released (with its connection when that can serve another request) or closed."""
+        self._slots.give()
+        if conn is not None:
+            if self.keep_alive and conn.endpoint is not None:
+                conn.endpoint.put(conn)
+            else:
+                conn.close()
+
+    async def _connect(self, ep: Endpoint) -> Connection:
+        loop = self._loop
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: Connection(loop), ep.host, ep.port, ssl=ep.ssl)
+        except TimeoutError:
+            raise ConnectTimeout(f"connect to {ep.host}:{ep.port} timed out") from None
+        except OSError as exc:
+            raise ConnectFailed(exc) from None
+        conn.endpoint = ep
+        return conn
+
+    def close(self) -> None:
+        """Close the idle connections; responses still open close with their exchanges."""
+        self.closed = True
+        for ep in self._endpoints.values():
+            for conn in ep.idle:
+                conn.close()
+            ep.idle.clear()
+
+
+def make_client(settings: Settings) -> Client:
+    return Client(settings.connect_timeout, settings.max_connections, settings.max_connections_per_backend)
+
+
+async def send(client: Client, backend: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
     """POST to a backend and wait for its response headers."""
     try:
-        return await session.post(backend + path, data=body, headers=headers)
+        return await client.request("POST", backend, path, body, headers)
     except TRANSPORT_ERRORS as exc:
         raise map_error(exc, backend, FIRST_BYTE, got_headers=False) from None
 
 
-async def read_chunk(resp: aiohttp.ClientResponse, backend: str, phase: str) -> bytes:
+async def read_chunk(resp: Response, backend: str, phase: str) -> bytes:
     """The next bytes of a response body (b"" at its end)."""
     try:
-        return await resp.content.readany()
+        return await resp.read_chunk()
     except TRANSPORT_ERRORS as exc:
         raise map_error(exc, backend, phase, got_headers=True) from None
 
 
-async def read_body(resp: aiohttp.ClientResponse, backend: str) -> bytes:
+async def read_body(resp: Response, backend: str) -> bytes:
     """A whole (non-streamed) response body."""
     try:
         return await resp.read()
@@ -99,17 +238,64 @@ async def read_body(resp: aiohttp.ClientResponse, backend: str) -> bytes:
         raise map_error(exc, backend, FIRST_BYTE, got_headers=True) from None
 
 
+async def get(client: Client, backend: str, path: str, headers: dict[str, str] | None) -> tuple[int, bytes]:
+    """A GET on the side of the hot path (health, loads, models): status and whole body. Raises what
+    Client.request raises; the caller bounds the time."""
+    resp = await client.request("GET", backend, path, None, headers)
+    try:
+        return resp.status, await resp.read()
+    finally:
+        resp.release()
+
+
+class Gate:
+    """A counting semaphore whose uncontended take is one counter step (asyncio.Semaphore.locked() walks its
+    waiters on every call). A freed place goes straight to the oldest waiter, so nobody overtakes it."""
+
+    __slots__ = ("free", "_waiters")
+
+    def __init__(self, places: int) -> None:
+        self.free = places
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    def try_take(self) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed a place just as we were cancelled: pass it on
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
 class Limits:
     """At most `per_backend` requests open to each backend at once; the others wait here, counted, instead of
-    unseen inside aiohttp's connection pool."""
+    unseen inside the client's connection pool."""
 
     def __init__(self, urls: list[str], per_backend: int) -> None:
-        self.slots = {u: asyncio.Semaphore(per_backend) for u in urls}
+        self.slots = {u: Gate(per_backend) for u in urls}
         self.waiting = dict.fromkeys(urls, 0)
         self.per_backend = per_backend
 
     def add(self, url: str) -> None:
         """A backend that joined at run time (router.discovery); its slots outlive a leave, so leases of a
         draining backend still release into them."""
-        self.slots.setdefault(url, asyncio.Semaphore(self.per_backend))
+        self.slots.setdefault(url, Gate(self.per_backend))
         self.waiting.setdefault(url, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
+from router.h1 import Response
 
 
 class Watchdog:
@@ -20,14 +20,14 @@ class Watchdog:
                  "last_chunk", "_sent", "_sent_at", "stalled")
 
     def __init__(self, idle: float, write_timeout: float, transport: asyncio.Transport,
-                 writer, resp: aiohttp.ClientResponse) -> None:
+                 writer, resp: Response) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle = idle
         self._write_timeout = write_timeout
         self._tick = write_timeout / 2
         self._transport = transport
         self._writer = writer
-        self._resp: aiohttp.ClientResponse | None = resp
+        self._resp: Response | None = resp
         now = time.monotonic()
         self.last_chunk = now
         self._sent = -1
@@ -51,7 +51,7 @@ class Watchdog:
         if self._resp is not None:
             quiet = now - self.last_chunk
             if quiet >= self._idle:
-                self._resp.content.set_exception(TimeoutError())
+                self._resp.set_exception(TimeoutError())
                 self._resp = None
             else:
                 wait = min(wait, self._idle - quiet)

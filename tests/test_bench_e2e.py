@@ -115,6 +115,47 @@ def test_compare_cli_small(tmp_path, capsys):
     assert "cannot re-render" in capsys.readouterr().err
 
 
+def test_compare_warms_up_the_learned_configuration_and_says_so(tmp_path, capsys):
+    rc = compare.main(["--concurrency", "2", "--max-tokens", "12", "--rounds", "1", "--min-requests", "5",
+                       "--configs", "adaptive,adaptive-throughput", "--single-again",
+                       "--warmup-seconds", "4", "--warmup-concurrency", "1,3", "--speedup", str(FAST),
+                       "--out", str(tmp_path), "--name", "warm", "--no-plot"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    data = json.loads((tmp_path / "warm.json").read_text())
+    warm = data["config"]["warmup"]["adaptive"]
+    assert data["config"]["warmup"]["adaptive-throughput"]["requests"] >= 3
+    # each router says where it sent every request: the single pools all one way, the learned ones both
+    assert data["results"]["all-baseline"][0]["speculative_share"] == 0.0
+    assert data["results"]["all-speculative"][0]["speculative_share"] == 1.0
+    assert 0.0 <= data["results"]["adaptive"][0]["speculative_share"] <= 1.0
+    # what each learned configuration ended up believing, per pool, and the objective it ran with
+    for name, objective in (("adaptive", "latency"), ("adaptive-throughput", "throughput")):
+        model = data["config"]["learned"][name]
+        assert model["objective"] == objective and model["pools"]["baseline"]["samples"] > 0
+    assert warm["seconds"] == 4 and warm["concurrency"] == [1, 3] and warm["requests"] >= 3 and warm["failed"] == 0
+    # --min-requests sets the count of a level that --rounds alone would keep small (1 x 2 clients = 2 < 5)
+    assert [f["completed"] for f in data["results"]["adaptive"]] == [5]
+    for path in ("warm.txt", "warm.md"):
+        text = (tmp_path / path).read_text()
+        assert f"adaptive: warm-up of 4 s of the servers' time ({4 / FAST:g} s wall at speedup {FAST:g}), " \
+               f"{warm['requests']} requests at concurrency 1/3" in text
+        assert "at least 5 requests per level" in text
+        assert "all-baseline and all-speculative as reported were measured again in phase 2" in text
+    assert data["config"]["single_again"] is True
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--warmup-seconds", "-1"], "--warmup-seconds must be >= 0"),
+    (["--min-requests", "0"], "--min-requests"),
+    (["--warmup-concurrency", "0"], "--warmup-concurrency"),
+])
+def test_compare_warmup_flags_are_checked(argv, fragment, capsys):
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
 def test_compare_bad_flags(capsys):
     assert compare.main(["--speculative", "http://127.0.0.1:1"]) == 2
     assert "both" in capsys.readouterr().err

@@ -98,6 +98,18 @@ def test_compare_gives_ratios_for_rates_and_added_ms_for_latencies(router, other
     assert overhead.compare(router, other) == expected
 
 
+def test_median_summary_takes_each_figure_from_the_middle_repeat_and_keeps_the_spread():
+    runs = [dict(SUMMARY, c1_req_per_s=900.0, c1_p50_ms=3.0), dict(SUMMARY, c1_req_per_s=1500.0, c1_p50_ms=1.0),
+            dict(SUMMARY, c1_req_per_s=1000.0, c1_p50_ms=1.2, kib_per_idle_stream=None)]
+    med, spread = overhead.median_summary(runs)
+    # one slow repeat (900 req/s, 3 ms) decides nothing; each figure has its own median
+    assert med["c1_req_per_s"] == 1000.0 and med["c1_p50_ms"] == 1.2
+    assert spread["c1_req_per_s"] == [900.0, 1500.0] and spread["c1_p50_ms"] == [1.0, 3.0]
+    # a figure missing from one repeat: the median of the repeats that have it
+    assert med["kib_per_idle_stream"] == 10.0 and spread["kib_per_idle_stream"] == [10.0, 10.0]
+    assert overhead.median_summary([dict(SUMMARY, chunks_per_s=None)])[0]["chunks_per_s"] is None
+
+
 def test_goals_are_checked_against_issue_11_targets():
     vs_direct = {"c1_p50_added_ms": 0.3, "stream_ttfb_added_ms": 1.2}
     vs_peer = {"high_req_per_s_ratio": 0.59}
@@ -140,7 +152,7 @@ def _run(args: list[str], timeout: float, pre: str = "pass") -> subprocess.Compl
 def test_overhead_end_to_end_tiny(tmp_path):
     out = tmp_path / "o.json"
     targets = "direct,router" + (",sglang-router" if HAVE_PEER else "")
-    r = _run([*TINY, "--targets", targets, "--json", str(out)], timeout=220)
+    r = _run([*TINY, "--targets", targets, "--repeat", "2", "--json", str(out)], timeout=220)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     data = json.loads(out.read_text())
@@ -152,16 +164,21 @@ def test_overhead_end_to_end_tiny(tmp_path):
         assert s["c1_p50_ms"] > 0 and s["stream_ttfb_p50_ms"] > 0
     assert direct["kib_per_idle_stream"] is None  # no proxy, no proxy memory
     # loopback straight to the fake backend never fails; closing connections at a window's end is no error
-    assert all(p["errors"] == 0 for p in data["targets"]["direct"]["figures"].values())
-    idle = data["targets"]["router"]["figures"]["idle"]
-    assert idle["open"] == 20 and len(idle["rss_mib"]) == 3 and all(m > 0 for m in idle["rss_mib"])
+    assert all(p["errors"] == 0 for figs in data["targets"]["direct"]["runs"] for p in figs.values())
+    assert data["config"]["repeat"] == 2 and all(len(t["runs"]) == 2 for t in data["targets"].values())
+    for figs in data["targets"]["router"]["runs"]:  # a fresh router each repeat, each measured in full
+        idle = figs["idle"]
+        assert idle["open"] == 20 and len(idle["rss_mib"]) == 3 and all(m > 0 for m in idle["rss_mib"])
+    rates = [figs["c1"]["req_per_s"] for figs in data["targets"]["router"]["runs"]]
+    assert router["c1_req_per_s"] == round(sum(rates) / 2, 3)  # the median of two
+    assert data["targets"]["router"]["spread"]["c1_req_per_s"] == [min(rates), max(rates)]
     assert set(data["router_vs_direct"]) == {"c1_req_per_s_ratio", "high_req_per_s_ratio", "c1_p50_added_ms",
                                              "stream_ttfb_added_ms", "chunks_per_s_ratio",
                                              "kib_per_idle_stream_ratio"}
     assert len(data["goals"]) == 5
     table = r.stdout
     assert "| this router (spillover) |" in table and "| direct to the backend |" in table
-    assert "| this router vs direct |" in table
+    assert "| this router vs direct |" in table and "| &nbsp; spread of 2 |" in table
     if HAVE_PEER:
         assert data["targets"]["sglang-router"]["summary"]["c1_req_per_s"] > 0
         assert data["router_vs_peer"]["high_req_per_s_ratio"] > 0
@@ -184,7 +201,7 @@ def test_overhead_points_picks_figures(tmp_path):
     r = _run([*TINY, "--targets", "direct", "--points", "c1", "--json", str(tmp_path / "o.json")], timeout=50)
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "o.json").read_text())
-    assert list(data["targets"]["direct"]["figures"]) == ["c1"]
+    assert [list(figs) for figs in data["targets"]["direct"]["runs"]] == [["c1"]] * 3  # --repeat's default
     s = data["targets"]["direct"]["summary"]
     assert s["c1_req_per_s"] > 0 and s["high_req_per_s"] is None and s["chunks_per_s"] is None
     assert "| direct to the backend |" in r.stdout and "—" in r.stdout
@@ -196,6 +213,7 @@ def test_overhead_points_picks_figures(tmp_path):
     (["--idle-streams", "-1"], "--idle-streams >= 0"),
     (["--bogus"], "unrecognized arguments"),
     (["--points", "c1,p99"], "unknown p99"),
+    (["--repeat", "0"], "--repeat must be >= 1"),
 ])
 def test_overhead_bad_flags_one_line_exit_2(args, words):
     r = _run(args, timeout=30)

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import time
-from types import SimpleNamespace
 
-import aiohttp
 import pytest
 
 from router.errors import UpstreamConnectError, UpstreamLocalError
@@ -37,7 +36,7 @@ from router.outlier import (
     step,
 )
 from router.pools import Pools
-from router.upstream import FIRST_BYTE, map_error
+from router.upstream import FIRST_BYTE, ConnectFailed, map_error
 
 S1, B1 = "http://s1:1", "http://b1:1"
 CFG = OutlierConfig(consecutive_errors=3, base_s=10.0, max_s=60.0, trial_requests=2)
@@ -262,15 +261,12 @@ def test_backend_states_are_one_hot_and_up_follows_them():
     assert spec.state() == EJECTED
 
 
-_KEY = SimpleNamespace(host="10.0.0.1", port=80, ssl=False)
-
-
 @pytest.mark.parametrize(("exc", "cls"), [
-    (aiohttp.ClientConnectorError(_KEY, OSError(errno.EMFILE, "Too many open files")), UpstreamLocalError),
-    (aiohttp.ClientConnectorError(_KEY, OSError(errno.EADDRNOTAVAIL, "no ports")), UpstreamLocalError),
-    (aiohttp.ClientConnectorDNSError(_KEY, OSError(-3, "Temporary failure in name resolution")), UpstreamLocalError),
-    (aiohttp.ClientConnectorError(_KEY, ConnectionRefusedError(errno.ECONNREFUSED, "refused")), UpstreamConnectError),
-    (aiohttp.ClientConnectorError(_KEY, OSError(errno.EHOSTUNREACH, "no route")), UpstreamConnectError),
+    (ConnectFailed(OSError(errno.EMFILE, "Too many open files")), UpstreamLocalError),
+    (ConnectFailed(OSError(errno.EADDRNOTAVAIL, "no ports")), UpstreamLocalError),
+    (ConnectFailed(socket.gaierror(-3, "Temporary failure in name resolution")), UpstreamLocalError),
+    (ConnectFailed(ConnectionRefusedError(errno.ECONNREFUSED, "refused")), UpstreamConnectError),
+    (ConnectFailed(OSError(errno.EHOSTUNREACH, "no route")), UpstreamConnectError),
 ])
 def test_map_error_tells_local_errors_from_the_backends(exc, cls):
     err = map_error(exc, "http://b:1", FIRST_BYTE, got_headers=False)

@@ -61,6 +61,8 @@ SPILLOVER_TABLE = [
     (snap(1, 0, s2=0, s2_up=False), 2, "speculative", S1, BELOW),
     (snap(2, 0, s2=0, s2_up=False), 2, "baseline", B1, ABOVE),
     (snap(0, 3, b2=1), 0, "baseline", B2, ABOVE),
+    # threshold 1 is the smallest that would speculate: with that pool down it is a failover (mutmut: `> 1`)
+    (snap(0, 0, s1_up=False), 1, "baseline", B1, FAILOVER),
 ]
 
 
@@ -92,8 +94,51 @@ GLOBAL_TABLE = [
 def test_global_with_hysteresis(split, threshold, hyst, before, pool, after):
     pol = P.Global(threshold, hyst, speculating=before)
     d = pol.decide(snap(*split), random.Random())
-    assert d.pool == pool
+    assert (d.pool, d.reason) == (pool, BELOW if pool == "speculative" else ABOVE)
     assert pol.speculating is after
+
+
+def test_global_and_build_defaults():
+    """The defaults of the public constructors: no hysteresis, threshold 32 (mutmut: `hysteresis: int = 1` in
+    Global and in build, `threshold: int = 32` -> 33 in build)."""
+    back = P.Global(4, speculating=False)  # above before; 3 in flight is below 4 - 0: speculate again
+    assert back.decide(snap(3, 0), random.Random()).pool == "speculative"
+    built = P.build("global", threshold=4)
+    assert built.decide(snap(4, 0), random.Random()).pool == "baseline"
+    assert built.decide(snap(3, 0), random.Random()).pool == "speculative"
+    spill = P.build("spillover")
+    assert spill.decide(snap(31, 0), random.Random()).pool == "speculative"
+    assert spill.decide(snap(32, 0), random.Random()).pool == "baseline"
+
+
+TIES = [
+    # (policy, threshold, pinned, loads, tied urls, reason): each decision path meets a tie it must break at
+    # random (mutmut: `rng` -> None on that path; in_pool's failover also `other(pool)` -> `other(None)`).
+    ("spillover", 4, "speculative", snap(2, 0, s2=2), {S1, S2}, PINNED),
+    ("spillover", 4, "speculative", snap(0, 1, s1_up=False, b2=1), {B1, B2}, FAILOVER),
+    ("spillover", 4, None, snap(0, 3, s1_up=False, b2=3), {B1, B2}, FAILOVER),
+    ("global", 10, None, snap(1, 0, s2=1), {S1, S2}, BELOW),
+    ("global", 1, None, snap(1, 2, b2=2), {B1, B2}, ABOVE),
+    ("balanced", 0, None, snap(3, 0, s2=3, b1_up=False), {S1, S2}, FAILOVER),
+]
+
+
+@pytest.mark.parametrize(("policy", "threshold", "pinned", "loads", "urls", "reason"), TIES)
+def test_ties_are_broken_at_random_on_every_path(policy, threshold, pinned, loads, urls, reason):
+    rng = random.Random(5)
+    picks = Counter()
+    for _ in range(200):
+        d = decide(loads, policy=policy, threshold=threshold, curves=SEED, pinned=pinned, rng=rng)
+        assert d.reason == reason
+        picks[d.url] += 1
+    assert set(picks) == urls and min(picks.values()) > 50
+
+
+def test_retry_target_breaks_ties_at_random():
+    """mutmut: `least(cands, rng)` -> `least(cands, None)` in retry_target."""
+    rng = random.Random(5)
+    picks = Counter(retry_target(snap(0, 2, b2=2), S1, "speculative", rng).url for _ in range(200))
+    assert set(picks) == {B1, B2} and min(picks.values()) > 50
 
 
 def test_global_does_not_flap_at_the_boundary():
@@ -148,6 +193,17 @@ def test_factory_builds_one_object_per_policy_and_rejects_unknown_names():
     assert all(P.build(name, curves=SEED).name == name for name in kinds)
     with pytest.raises(ValueError, match="unknown policy"):
         P.build("fastest")
+
+
+def test_factory_builds_adaptive_only_by_name_and_only_with_its_builder():
+    """mutmut: `name == "adaptive" and adaptive is not None` -> `or`, `!=`, another string, `is None`."""
+    sentinel = P.RoundRobin()
+    assert P.build("adaptive", adaptive=lambda: sentinel) is sentinel
+    with pytest.raises(ValueError, match="unknown policy 'adaptive'"):
+        P.build("adaptive")
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        P.build("fastest", adaptive=lambda: sentinel)
+    assert type(P.build("least-inflight", adaptive=lambda: sentinel)) is P.LeastInflight
 
 
 def test_policies_read_live_backends_without_copies():
@@ -275,8 +331,12 @@ def test_balanced_with_one_pool_configured_and_none_healthy():
     only = View.of([BackendLoad(B1, "baseline", 7, True)])
     d = decide(only, policy="balanced", threshold=0, curves=SEED)
     assert (d.url, d.reason) == (B1, FASTER)  # not a failover: there is no other pool
+    # the same with only the speculative pool (mutmut: sole_pool's pool choice, `other(pool)`, bool(spec))
+    only = View.of([BackendLoad(S1, "speculative", 7, True)])
+    d = decide(only, policy="balanced", threshold=0, curves=SEED)
+    assert (d.url, d.reason) == (S1, FASTER)
     assert decide(snap(0, 0, s1_up=False, b1_up=False), policy="balanced", threshold=0, curves=SEED) is None
-    with pytest.raises(ValueError, match="curves"):
+    with pytest.raises(ValueError, match="^the balanced policy needs both throughput curves$"):
         decide(snap(0, 0), policy="balanced", threshold=0)
 
 

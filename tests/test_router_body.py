@@ -1,0 +1,138 @@
+"""The client's body through the router (router.body): the exact bytes a raw backend receives, the stream keys
+as JSON means them, the error messages and limits. Expected bytes are written out by hand; each test's docstring
+names the mutmut mutants it kills."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.fixtures_rawbackend import json_answer
+
+CHAT = "/v1/chat/completions"
+USAGE = b'"stream_options":{"include_usage":true},'
+
+
+async def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, str, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + CHAT, data=body,
+                                                    headers={"Content-Type": "application/json",
+                                                             **(headers or {})}) as r:
+        return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+@pytest.fixture
+async def pair(raw_backend_factory, router_factory):
+    be = await raw_backend_factory({})
+    router = await router_factory([be.url], [], max_body_bytes=64, client_timeout=0.5)
+    return be, router
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    # streamed without stream_options: usage asked for right after the brace, every other byte as sent
+    (b'{"stream":true}', b'{' + USAGE + b'"stream":true}'),
+    (b' {"stream": true }', b' {' + USAGE + b'"stream": true }'),
+    (b'{"stream":true,"o":{"a":1}}', b'{' + USAGE + b'"stream":true,"o":{"a":1}}'),  # the first brace
+    # only JSON true streams: no rewrite for anything else
+    (b'{"stream":1}', b'{"stream":1}'),
+    (b'{"stream":"true"}', b'{"stream":"true"}'),
+    (b'{"stream":false}', b'{"stream":false}'),
+    (b'{}', b'{}'),
+    # the client asked for usage itself: untouched; anything but true is not asking
+    (b'{"stream":true,"stream_options":{"include_usage":true}}',
+     b'{"stream":true,"stream_options":{"include_usage":true}}'),
+    (b'{"stream":true,"stream_options":{"include_usage":1}}',
+     b'{"stream": true, "stream_options": {"include_usage": true}}'),
+    (b'{"stream":true,"stream_options":{"x":2}}',
+     b'{"stream": true, "stream_options": {"x": 2, "include_usage": true}}'),
+    (b'{"stream":true,"stream_options":null}', b'{"stream": true, "stream_options": {"include_usage": true}}'),
+    # what msgspec refuses but Python's json takes: NaN, a UTF-8 byte-order mark
+    (b'{"stream":true,"t":NaN}', b'{' + USAGE + b'"stream":true,"t":NaN}'),
+    (b'\xef\xbb\xbf{"stream":false}', b'\xef\xbb\xbf{"stream":false}'),
+    (b'{"stream":true,"stream_options":{"include_usage":true},"t":NaN}',
+     b'{"stream":true,"stream_options":{"include_usage":true},"t":NaN}'),  # json's reading of stream_options
+    # non-ASCII UTF-8 passes as sent
+    ('{"stream":true,"c":"h\u00e9"}'.encode(), b'{' + USAGE + '"stream":true,"c":"h\u00e9"}'.encode()),
+])
+async def test_forwarded_bytes_and_stream_keys(pair, sent, forwarded):
+    """mutmut: Head.streamed (`is True`), Head.wants_usage (`isinstance(opts, dict)`, `is True`), with_usage's
+    insertion point (`index(b"{") + 1`) and inserted text, its merge of other stream_options, the json fallback
+    of parse_head (NaN, BOM) and the stream keys it reads there (`obj.get("stream")`...)."""
+    be, router = pair
+    status, ctype, _ = await post(router.url, sent)
+    assert status == 200
+    assert be.requests[-1].body == forwarded
+    assert ctype.startswith("text/event-stream")  # the raw backend streams either way
+
+
+@pytest.mark.parametrize(("sent", "message"), [
+    (b"", "request body is empty; send a JSON object"),
+    (b"[1]", "request body must be a JSON object"),
+    (b'"x"', "request body must be a JSON object"),
+    (b"\xef\xbb\xbf[1]", "request body must be a JSON object"),  # json's verdict after msgspec's refusal
+    (b"{", "request body is not valid JSON"),
+    (b'{"a":"\xff"}', "request body is not valid JSON"),  # not UTF-8 inside a string msgspec skips
+])
+async def test_bad_bodies_get_their_message(pair, sent, message):
+    """mutmut: each BadRequest message and code in parse_head, the `not body` check, the UnicodeDecodeError
+    and ValueError catches (a 500 instead of a 400)."""
+    be, router = pair
+    status, _, raw = await post(router.url, sent)
+    assert status == 400
+    assert json.loads(raw) == {"error": {"message": message, "type": "invalid_request_error",
+                                         "code": "invalid_json"}}
+    assert be.chat_hits() == 0
+
+
+async def test_the_size_limit_is_inclusive_and_says_the_sizes(pair):
+    """64 bytes pass with a 64-byte limit, 65 do not; the message names both numbers (Content-Length known)
+    or only the limit (chunked). mutmut: `content_length > limit` -> `>=`, the two PayloadTooLarge messages."""
+    be, router = pair
+    at_limit = b'{"pad":"' + b"x" * 54 + b'"}'
+    assert len(at_limit) == 64
+    assert (await post(router.url, at_limit))[0] == 200
+    status, _, raw = await post(router.url, at_limit[:-1] + b' }')
+    assert status == 413
+    assert json.loads(raw)["error"]["message"] == "request body of 65 bytes is over the 64-byte limit"
+
+    async def chunks():
+        yield at_limit
+        yield b" "
+
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, data=chunks(),
+                                                    headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["message"] == "request body is over the 64-byte limit"
+    assert be.chat_hits() == 1
+
+
+async def test_a_stalled_upload_is_408_with_the_deadline_named(pair):
+    """mutmut: the asyncio.timeout around request.read() (`within` -> None), the RequestTimeout message."""
+    be, router = pair
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 40\r\n\r\n{\"stream\":")
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            raw = await reader.readexactly(length)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408")
+    assert json.loads(raw)["error"]["message"] == "request body not received within 0.5 s"
+    assert be.chat_hits() == 0
+
+
+async def test_a_non_streamed_body_goes_out_byte_for_byte(raw_backend_factory, router_factory):
+    """A non-streamed body goes out byte for byte, whatever its spacing (no re-serialisation)."""
+    be = await raw_backend_factory({CHAT: json_answer(200, {"ok": 1})})
+    router = await router_factory([be.url], [])
+    sent = b'{ "model" : "m",\n "stream" : false , "x": [1,2 ,3] }'
+    status, _, raw = await post(router.url, sent)
+    assert (status, json.loads(raw)) == (200, {"ok": 1})
+    assert be.requests[-1].body == sent
