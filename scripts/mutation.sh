@@ -29,8 +29,13 @@ declare -A MODULE_TESTS=(
   [router/handlers.py]="tests/test_router_handlers.py tests/test_router_errors.py tests/test_security_router.py
     tests/test_proxy_branches.py::test_models_merges_answering_backends_and_skips_failing_ones
     tests/test_proxy_branches.py::test_models_is_503_when_no_backend_answers"
-  [router/streaming.py]="tests/test_proxy_branches.py tests/test_router_proxy.py"
-  [router/watchdog.py]="tests/test_router_errors.py tests/test_router_lifecycle.py tests/test_proxy_branches.py"
+  [router/streaming.py]="tests/test_router_streaming.py
+    tests/test_proxy_branches.py::test_split_stream_reaches_the_client_byte_for_byte
+    tests/test_proxy_branches.py::test_usage_event_that_also_carries_choices_is_kept
+    tests/test_router_proxy.py::test_stream_usage_is_stripped_unless_asked_and_still_counted"
+  [router/watchdog.py]="tests/test_router_hotpath.py::test_slow_reader_lease_ends_with_the_backend_and_its_connection_after_write_timeout
+    tests/test_reliability_faults.py::test_stall_mid_stream_is_an_sse_error_then_done_and_aborts
+    tests/test_reliability_outlier.py::test_streams_that_stall_after_good_headers_eject"
   [router/upstream.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py"
   [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py"
 )
@@ -44,6 +49,7 @@ for m in "${MODULES[@]}"; do
   [ -f "$m" ] || { echo "mutation: no such module: $m" >&2; exit 2; }
 done
 
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- router tests || echo "+changes")
 REPORT=$(mktemp "${TMPDIR:-/tmp}/mutation-report.XXXXXX")
 trap 'rm -f "$REPORT"' EXIT
 for m in "${MODULES[@]}"; do
@@ -71,7 +77,7 @@ PY
       tr '\r' '\n' < run.log | tail -20 >&2; echo "mutation: mutmut run failed for $m" >&2; exit 1; }
     elapsed=$(( $(date +%s) - start ))
     "$MUTMUT" results --all true > results.txt
-    "$PY" - "$m" "$elapsed" "$MUTMUT" "$(git -C "$ROOT" rev-parse --short HEAD)" "$tests" <<'PY'
+    "$PY" - "$m" "$elapsed" "$MUTMUT" "$COMMIT" "$tests" <<'PY'
 import subprocess, sys
 from collections import Counter
 module, elapsed, mutmut, commit, tests = sys.argv[1:]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import Counter
 
 from prometheus_client import CollectorRegistry
 
 from router.adaptive import Adaptive
 from router.metrics import Metrics
-from router.observe import OK, REFUSED, Attempt, Observation
+from router.observe import OK, REFUSED, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig
 from router.policy import BackendLoad
 from router.pools import Pools
@@ -150,15 +151,34 @@ def test_loads_are_snapshots_of_every_backend():
     assert p.loads() == [BackendLoad(S1, "speculative", 2, True), BackendLoad(B1, "baseline", 0, False)]
 
 
-def test_added_backends_get_their_pools_key_and_the_ejection_settings():
-    """mutmut: add_backend's `self._keys.get(pool)` -> None/get(None)/dropped, `self.outlier_cfg` -> None/dropped."""
-    p = pools(keys={"speculative": "spec-key", "baseline": None}, consecutive_errors=1)
+def on_trial_with_one_in_flight(p: Pools, b) -> bool:
+    """Eject `b`, end the ejection, hold one request on it: is it still routable? (trial_requests decides)"""
+    for _ in range(p.outlier_cfg.consecutive_errors):
+        p.report_attempt(b, Attempt(REFUSED))
+    p.tick(now=b.outlier.until)
+    lease = b.lease()
+    try:
+        return b.routable
+    finally:
+        lease.release()
+
+
+def test_every_backend_gets_its_pools_key_and_the_ejection_settings():
+    """Backends given at start and added later carry their pool's key and the configured trial cap (1 here,
+    the default is 3). mutmut: `keys.get("baseline")` and add_backend's `self._keys.get(pool)` -> None, another
+    key or dropped; the `outlier_cfg` argument of Backend(...) -> None or dropped, for both pools and add_backend."""
+    p = pools(spec=(S1,), base=(B1, B2), keys={"speculative": "spec-key", "baseline": "base-key"},
+              trial_requests=1)
     s2 = p.add_backend(S2, "speculative")
-    b2 = p.add_backend(B2, "baseline")
-    assert (s2.auth_headers, b2.auth_headers) == ({"Authorization": "Bearer spec-key"}, None)
+    assert [b.auth_headers for b in p.backends] == [{"Authorization": "Bearer spec-key"}] + 2 * [
+        {"Authorization": "Bearer base-key"}] + [{"Authorization": "Bearer spec-key"}]
+    assert p.add_backend("http://b3:1", "baseline").auth_headers == {"Authorization": "Bearer base-key"}
     s2.probe_ok(1)
-    p.report_attempt(s2, Attempt(REFUSED))  # one failure ejects with consecutive_errors 1
-    assert s2.state() == "ejected"
+    assert [on_trial_with_one_in_flight(p, b) for b in (s2, p.by_url[B2], p.by_url[S1])] == [False, False, False]
+    q = pools(keys=None)
+    assert [b.auth_headers for b in q.backends] == [None, None]
+    r = pools()  # the test's own check: with the cap at 2 one request in flight still admits another
+    assert on_trial_with_one_in_flight(r, r.by_url[S1]) is True
 
 
 def labelled(reg: CollectorRegistry, url: str) -> list[tuple[str, list]]:
@@ -196,3 +216,134 @@ def test_adaptive_gauges_follow_the_members():
     assert reg.get_sample_value("router_adaptive_samples", {"pool": "baseline"}) is None
     p.add_backend(B1, "baseline")
     assert reg.get_sample_value("router_adaptive_samples", {"pool": "baseline"}) == 0
+
+
+def test_reported_load_counts_with_what_was_sent_since():
+    """mutmut: Backend.report storing None (the backend's figure ignored) or `_inflight_at_report` None."""
+    p = pools()
+    spec = p.by_url[S1]
+    first = spec.lease()
+    spec.report(7)
+    second = spec.lease()
+    assert spec.load_estimate == 8  # 7 reported (ours included) + 1 sent since
+    first.release()
+    second.release()
+    assert spec.load_estimate == 6  # 7 + 0 in flight now - 1 in flight at the report
+
+
+def test_releasing_to_zero_is_quiet_and_a_stray_release_is_loud(caplog):
+    """mutmut: `_inflight < 0` -> `<= 0`/`< 1` (an error at every last release), the error's text and argument."""
+    p = pools()
+    spec = p.by_url[S1]
+    lease = spec.lease()
+    assert lease.released is False
+    lease.release()
+    assert lease.released is True
+    assert records(caplog) == []
+    spec._release()  # what a second release of one lease would do
+    assert spec.inflight == 0
+    assert records(caplog) == [("ERROR", f"in-flight count of backend {S1} went below 0: a lease was released twice")]
+
+
+def test_pools_defaults_and_settings_reach_the_policy():
+    """Default threshold 0 never speculates; the hysteresis given reaches the global policy. mutmut: Pools'
+    `threshold: int = 0` / `hysteresis: int = 0` defaults, `hysteresis=hysteresis` -> None or dropped."""
+    p = Pools([S1], [B1], policy="spillover")
+    for b in p.backends:
+        b.probe_ok(1)
+    assert p.acquire()[1].url == B1
+    g = Pools([S1], [B1], policy="global", threshold=2)
+    for b in g.backends:
+        b.probe_ok(1)
+    held = [g.acquire()[0] for _ in range(2)]  # s, s -> 2 in flight: above
+    assert g.acquire()[1].url == B1
+    for lease in held:
+        lease.release()
+    assert g.acquire()[1].url == S1  # 1 in flight (the baseline one) is below 2 - 0: back at once
+    h = Pools([S1], [B1], policy="global", threshold=2, hysteresis=1)
+    for b in h.backends:
+        b.probe_ok(1)
+    held = [h.acquire()[0] for _ in range(3)]  # s, s, then b
+    for lease in held[:2]:
+        lease.release()
+    assert h.acquire()[1].url == B1  # 1 in flight is not below 2 - 1: stays on baseline
+
+
+def test_pinned_pool_any_healthy_and_the_pre_created_series():
+    """mutmut: acquire's `pinned` -> None, any_healthy's generator, the disconnect series per pool, the one-hot
+    backend_state gauges (`==` -> `!=`, always/never 1)."""
+    reg = CollectorRegistry()
+    p = pools(registry=reg)
+    assert p.acquire("baseline")[1].reason == "pinned"
+    assert p.any_healthy() is True
+    for pool in ("speculative", "baseline"):
+        assert reg.get_sample_value("router_client_disconnects_total", {"pool": pool}) == 0
+    state = {st: reg.get_sample_value("router_backend_state", {"pool": "speculative", "backend": S1, "state": st})
+             for st in ("up", "down", "ejected", "trial")}
+    assert state == {"up": 1, "down": 0, "ejected": 0, "trial": 0}
+    for _ in range(3):
+        p.report_attempt(p.by_url[S1], Attempt(REFUSED))
+    assert reg.get_sample_value("router_backend_state", {"pool": "speculative", "backend": S1,
+                                                         "state": "ejected"}) == 1
+    for b in p.backends:
+        b.healthy = False
+    assert p.any_healthy() is False
+
+
+def test_an_ejection_that_ran_out_without_upkeep(caplog):
+    """No tick between the end of an ejection and the next answer: a success starts the trial, a failure
+    ejects again; both are logged. mutmut: the `_outcome` log condition `or` -> `and`, `phase_at(s, None)`,
+    and every argument of the trial line in _log_change."""
+    p = pools(base_s=0.001)
+    spec = p.by_url[S1]
+    caplog.set_level(logging.INFO, logger="router.pools")
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(OK, 500))
+    end = spec.outlier.until
+    while time.monotonic() < end + 0.002:  # noqa: ASYNC110 - a 1 ms ejection, no event loop here
+        time.sleep(0.001)
+    done(p, S1)
+    assert spec.state() == "trial"
+    p.report_attempt(spec, Attempt(OK, 500))  # the trial fails: ejected again (2 ms)
+    end = spec.outlier.until
+    while time.monotonic() < end + 0.002:
+        time.sleep(0.001)
+    p.report_attempt(spec, Attempt(REFUSED))  # ran out, no tick: this failure ends the trial it never began
+    s = f"backend {S1} (speculative)"
+    got = records(caplog)
+    assert got[1] == ("INFO", f"{s} ejection over: on trial (2 request(s) at a time until 2 succeed)")
+    assert got[2][1].startswith(f"{s} ejected for 0.002 s (ejection 2 in a row) after a failed trial request")
+    assert got[3][1].startswith(f"{s} ejected for 0.004 s (ejection 3 in a row) after a failed trial request")
+    assert len(got) == 4
+
+
+def test_taking_back_early_only_concerns_healthy_ejected_backends(caplog):
+    """All down: nothing to take back, nothing logged; then the only healthy backend is ejected: taken back
+    (logged), and it can be ejected again later. mutmut: tick's `b.healthy and phase != ACTIVE` -> `or`,
+    `restore(b.outlier, now)` -> None, the log line's arguments and text."""
+    p = pools()
+    spec, base = p.by_url[S1], p.by_url[B1]
+    caplog.set_level(logging.INFO, logger="router.pools")
+    spec.healthy = base.healthy = False
+    p.tick()
+    assert records(caplog) == []
+    spec.healthy = base.healthy = True
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(REFUSED))
+    base.healthy = False
+    p.tick()
+    assert spec.state() == "up"
+    base.healthy = True
+    for _ in range(3):
+        p.report_attempt(spec, Attempt(REFUSED))
+    assert spec.state() == "ejected"
+    s = f"backend {S1} (speculative)"
+    assert [m for _, m in records(caplog)][1] == (
+        f"{s} taken back early: no other backend is routable, its errors pass through")
+
+
+def test_load_reports_reach_the_adaptive_policy_per_backend():
+    """mutmut: report_loads' `backend.url` -> None (the accept length filed under no backend)."""
+    p = pools(policy=Adaptive(explore=0.0))
+    p.report_loads(p.by_url[S1], LoadFigures(1, 0, 100.0, 2.5, 16))
+    assert p.policy.accept_length(p.view.speculative) == 2.5

@@ -33,6 +33,7 @@ async def pair(raw_backend_factory, router_factory):
     # streamed without stream_options: usage asked for right after the brace, every other byte as sent
     (b'{"stream":true}', b'{' + USAGE + b'"stream":true}'),
     (b' {"stream": true }', b' {' + USAGE + b'"stream": true }'),
+    (b'{"stream":true,"o":{"a":1}}', b'{' + USAGE + b'"stream":true,"o":{"a":1}}'),  # the first brace
     # only JSON true streams: no rewrite for anything else
     (b'{"stream":1}', b'{"stream":1}'),
     (b'{"stream":"true"}', b'{"stream":"true"}'),
@@ -49,6 +50,8 @@ async def pair(raw_backend_factory, router_factory):
     # what msgspec refuses but Python's json takes: NaN, a UTF-8 byte-order mark
     (b'{"stream":true,"t":NaN}', b'{' + USAGE + b'"stream":true,"t":NaN}'),
     (b'\xef\xbb\xbf{"stream":false}', b'\xef\xbb\xbf{"stream":false}'),
+    (b'{"stream":true,"stream_options":{"include_usage":true},"t":NaN}',
+     b'{"stream":true,"stream_options":{"include_usage":true},"t":NaN}'),  # json's reading of stream_options
     # non-ASCII UTF-8 passes as sent
     ('{"stream":true,"c":"h\u00e9"}'.encode(), b'{' + USAGE + '"stream":true,"c":"h\u00e9"}'.encode()),
 ])
@@ -67,7 +70,7 @@ async def test_forwarded_bytes_and_stream_keys(pair, sent, forwarded):
     (b"", "request body is empty; send a JSON object"),
     (b"[1]", "request body must be a JSON object"),
     (b'"x"', "request body must be a JSON object"),
-    (b"[NaN]", "request body must be a JSON object"),  # json's verdict after msgspec's refusal
+    (b"\xef\xbb\xbf[1]", "request body must be a JSON object"),  # json's verdict after msgspec's refusal
     (b"{", "request body is not valid JSON"),
     (b'{"a":"\xff"}', "request body is not valid JSON"),  # not UTF-8 inside a string msgspec skips
 ])

@@ -166,3 +166,15 @@ async def test_expect_continue_in_any_case_and_not_on_http_1_0(raw_backend_facto
             writer.close()
         assert got.startswith(b"HTTP/1.1 200 ") or got.startswith(b"HTTP/1.0 200 ")
     assert be.chat_hits() == 2
+
+
+async def test_other_expectations_are_417_with_the_supported_one_named(raw_backend_factory, router_factory):
+    """mutmut: the ExpectationFailed message."""
+    be = await raw_backend_factory({})
+    router = await router_factory([be.url], [])
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, data=b"{}",
+                                                    headers={"Expect": "202-accepted"}) as r:
+        assert (r.status, await r.json()) == (417, {"error": {
+            "message": "only 'Expect: 100-continue' is supported", "type": "invalid_request_error",
+            "code": "expectation_failed"}})
+    assert be.chat_hits() == 0
