@@ -270,8 +270,9 @@ def test_pools_defaults_and_settings_reach_the_policy():
 
 
 def test_pinned_pool_any_healthy_and_the_pre_created_series():
-    """mutmut: acquire's `pinned` -> None, any_healthy's generator, the disconnect series per pool, the one-hot
-    backend_state gauges (`==` -> `!=`, always/never 1)."""
+    """mutmut: acquire's `pinned` -> None, any_healthy's generator, the series created up front (disconnects,
+    durations, ejections per reason), the one-hot backend_state gauges and backend_up (`==` -> `!=`, always or
+    never 1)."""
     reg = CollectorRegistry()
     p = pools(registry=reg)
     assert p.acquire("baseline")[1].reason == "pinned"
@@ -281,10 +282,16 @@ def test_pinned_pool_any_healthy_and_the_pre_created_series():
     state = {st: reg.get_sample_value("router_backend_state", {"pool": "speculative", "backend": S1, "state": st})
              for st in ("up", "down", "ejected", "trial")}
     assert state == {"up": 1, "down": 0, "ejected": 0, "trial": 0}
+    up = {"pool": "speculative", "backend": S1}
+    assert reg.get_sample_value("router_backend_up", up) == 1
+    assert reg.get_sample_value("router_request_duration_seconds_count", {"pool": "speculative"}) == 0
+    for reason in ("5xx", "refused", "connect_timeout", "first_byte_timeout", "idle_timeout", "disconnected"):
+        assert reg.get_sample_value("router_backend_ejections_total", {**up, "reason": reason}) == 0
     for _ in range(3):
         p.report_attempt(p.by_url[S1], Attempt(REFUSED))
     assert reg.get_sample_value("router_backend_state", {"pool": "speculative", "backend": S1,
                                                          "state": "ejected"}) == 1
+    assert reg.get_sample_value("router_backend_up", up) == 0
     for b in p.backends:
         b.healthy = False
     assert p.any_healthy() is False
@@ -318,8 +325,9 @@ def test_an_ejection_that_ran_out_without_upkeep(caplog):
 
 
 def test_taking_back_early_only_concerns_healthy_ejected_backends(caplog):
-    """All down: nothing to take back, nothing logged; then the only healthy backend is ejected: taken back
-    (logged), and it can be ejected again later. mutmut: tick's `b.healthy and phase != ACTIVE` -> `or`,
+    """All down: nothing to take back, nothing logged, an ejected backend whose probes fail included; then the
+    only healthy backend is ejected: taken back (logged), and it can be ejected again later. mutmut: tick's
+    `b.healthy and phase != ACTIVE` -> `or`,
     `restore(b.outlier, now)` -> None, the log line's arguments and text."""
     p = pools()
     spec, base = p.by_url[S1], p.by_url[B1]
@@ -328,6 +336,15 @@ def test_taking_back_early_only_concerns_healthy_ejected_backends(caplog):
     p.tick()
     assert records(caplog) == []
     spec.healthy = base.healthy = True
+    for _ in range(3):  # ejected, then its probes fail too: a down backend is not taken back
+        p.report_attempt(spec, Attempt(REFUSED))
+    caplog.clear()
+    spec.healthy = base.healthy = False
+    p.tick()
+    assert records(caplog) == []
+    spec.healthy = base.healthy = True
+    assert spec.state() == "ejected"
+    spec.outlier = type(spec.outlier)()  # start the second half from a fresh outlier state
     for _ in range(3):
         p.report_attempt(spec, Attempt(REFUSED))
     base.healthy = False

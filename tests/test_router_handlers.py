@@ -178,3 +178,14 @@ async def test_other_expectations_are_417_with_the_supported_one_named(raw_backe
             "message": "only 'Expect: 100-continue' is supported", "type": "invalid_request_error",
             "code": "expectation_failed"}})
     assert be.chat_hits() == 0
+
+
+async def test_models_skips_lists_of_the_wrong_shape(raw_backend_factory, router_factory):
+    """A backend answering a bare JSON list, or `data` that is a number, contributes nothing (not a 500).
+    mutmut: `isinstance(got, dict)` and `isinstance(data, list)` forced true in the model-list fetch."""
+    good = await raw_backend_factory({"/v1/models": json_answer(200, {"data": [{"id": "ok"}]})})
+    bare = await raw_backend_factory({"/v1/models": json_answer(200, [{"id": "bare"}])})
+    number = await raw_backend_factory({"/v1/models": json_answer(200, {"data": 5})})
+    router = await router_factory([good.url, bare.url, number.url], [])
+    status, _, raw = await get(router.url + "/v1/models")
+    assert (status, json.loads(raw)) == (200, {"object": "list", "data": [{"id": "ok"}]})

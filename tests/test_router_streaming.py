@@ -34,10 +34,11 @@ async def post(url: str, body: dict) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("final_blank_line", [True, False])
-@pytest.mark.parametrize("piece", [1, 7])
+@pytest.mark.parametrize("piece", [1, 7, None])
 async def test_crlf_delimited_stream_split_across_reads(raw_backend_factory, router_factory, piece,
                                                         final_blank_line):
-    """Events separated by CRLF CRLF (allowed by the SSE spec), written 1 or 7 bytes at a time: every byte
+    """Events separated by CRLF CRLF (allowed by the SSE spec), written 1 or 7 bytes at a time or all at once
+    (then several events share one read, the usage chunk among them): every byte
     reaches the client when it asked for usage; otherwise exactly the usage-only event goes, and the figures
     are counted either way. mutmut: split_events' CRLF branch (`rfind`, `>= 0`, `+ 4`, the separator) and
     scan_usage's separator choice."""
@@ -67,7 +68,7 @@ async def test_an_error_event_in_the_same_read_as_the_usage_chunk_is_kept(raw_ba
 async def test_usage_figures_that_are_not_integers_are_not_counted(raw_backend_factory, router_factory):
     """A usage chunk whose figures are not integers counts nothing for them; a later good one counts.
     mutmut: Usage.take's `isinstance(p, int)` / `isinstance(c, int)` checks and the `isinstance(usage, dict)`."""
-    odd = {**USAGE_ONLY, "usage": {"prompt_tokens": "11", "completion_tokens": 4.5}}
+    odd = {**USAGE_ONLY, "usage": {"prompt_tokens": 11.5, "completion_tokens": 4.5}}
     not_a_dict = {**USAGE_ONLY, "usage": [11, 4], "prompt_tokens": 1}
     body = b"\n\n".join([ev(content("x")), ev(odd), ev(not_a_dict), ev("[DONE]")]) + b"\n\n"
     be = await raw_backend_factory({CHAT: sse(body, piece=7)})
@@ -117,3 +118,14 @@ async def test_a_non_streamed_answer_that_only_looks_like_json_passes_through(ra
     async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json={"model": "m"}) as r:
         assert (r.status, await r.read()) == (200, broken)
     assert router.metric("router_prompt_tokens_total", pool="speculative") == 0
+
+
+async def test_a_usage_event_without_the_space_after_data(raw_backend_factory, router_factory):
+    """`data:{...}` (no space; the SSE spec allows it) is still the usage chunk: stripped and counted.
+    mutmut: scan_usage's `ev[5:]` -> `ev[6:]`."""
+    usage = b"data:" + json.dumps(USAGE_ONLY, separators=(",", ":")).encode()
+    body = b"\n\n".join([ev(content("x")), usage, ev("[DONE]")]) + b"\n\n"
+    be = await raw_backend_factory({CHAT: sse(body)})
+    router = await router_factory([be.url], [])
+    assert await post(router.url, STREAM) == (200, b"\n\n".join([ev(content("x")), ev("[DONE]")]) + b"\n\n")
+    assert router.metric("router_prompt_tokens_total", pool="speculative") == 11
