@@ -217,6 +217,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--min-requests", type=positive(int), default=16, metavar="N",
                    help="closed loop: at least N requests per level whatever --rounds gives (default 16); "
                         "a level of a few requests per client measures mostly its start and its drain")
+    p.add_argument("--single-again", action="store_true",
+                   help="measure all-baseline and all-speculative again in phase 2, interleaved with the routed "
+                        "configurations, and report those (phase 1 stays the calibration): a busy host then "
+                        "weighs on every column alike")
     p.add_argument("--warmup-seconds", type=float, default=0.0, metavar="S",
                    help="before the first level, S seconds of the servers' time of closed-loop traffic to "
                         "each learned configuration (adaptive), stepping through --warmup-concurrency; the "
@@ -403,9 +407,9 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
 
     # Phase 1: each pool alone behind its own router (also the calibration data), and the references,
     # measured the same way at the same levels.
-    targets = [("all-baseline", router("spillover", False, True)),
-               ("all-speculative", router("spillover", True, False)), *refs]
-    single = run_async(run_sweep(_cfg(ns, targets)))
+    phase1 = [("all-baseline", router("spillover", False, True)),
+              ("all-speculative", router("spillover", True, False)), *refs]
+    single = run_async(run_sweep(_cfg(ns, phase1)))
     rec = None
     spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
     base_curve = calibrate.Curve.from_figs(single["all-baseline"])
@@ -429,10 +433,14 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
                 warmups[n] = run_async(warm_up(url, ns))
                 print(f"warm-up of {n}: {warmups[n]['requests']} requests in {ns.warmup_seconds:g} s",
                       file=sys.stderr)
+    if ns.single_again and targets:
+        # The single pools once more, interleaved level by level with the routed configurations: other work on
+        # the host in phase 2 then weighs on them alike (phase 1 stays the calibration the routers were given).
+        targets += [(n, url) for n, url in phase1 if n in SINGLE]
     mixed = run_async(run_sweep(_cfg(ns, targets))) if targets else {}
     learned = {n: run_async(learned_state(url)) for n, url in targets if n in LEARNED}
     configs = [n for n in CONFIGS if n in mixed or n in SINGLE]
-    results = {n: (mixed | single)[n] for n in configs} | {n: single[n] for n, _ in refs}
+    results = {n: (single | mixed)[n] for n in configs} | {n: single[n] for n, _ in refs}
     gpus = {n: ns.pair_gpus for n in configs} | {r.name: r.gpus for r in ns.reference}
     cfg = _cfg(ns, []).as_dict() | {
         "speculative": spec_url if external else ns.speculative_profile,
@@ -440,7 +448,7 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
         "speculative_curve": spec_pts, "baseline_curve": base_pts,
         "objective": ns.objective, "command": cmd, "colocated": ns.colocated,
         "deployment": "colocated" if ns.colocated else "split", "min_requests": ns.min_requests,
-        "warmup": warmups, "learned": learned}
+        "warmup": warmups, "learned": learned, "single_again": bool(ns.single_again and ns.routed)}
     if ns.colocated:
         cfg["kv_share"] = ns.kv_share
     if "global" in mixed:
@@ -529,6 +537,10 @@ def report(data: dict) -> tuple[str, str, dict]:
                  f"against the best other configuration (noise band {NOISE:.0%}):"]
     text += ["  " + line for line in lines]
     warm = warmup_line(cfg, configs)
+    if cfg.get("single_again"):
+        warm += ("; " if warm else "") + ("all-baseline and all-speculative as reported were measured again in "
+                                          "phase 2, interleaved with the routed configurations (the calibration "
+                                          "the routers got is from phase 1)")
     if warm:
         text.append(warm)
     if rec is not None:

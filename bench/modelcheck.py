@@ -21,7 +21,7 @@ from bench.sweep import run_async
 from router.adaptive import sample
 from router.curves import fit_token_time
 from router.observe import Observation
-from router.speedmodel import SpeedModel
+from router.speedmodel import Params, SpeedModel
 
 # (pool, n running, seconds per token per request, phase) in the order the router saw them.
 Sample = tuple[str, float, float, str]
@@ -78,13 +78,18 @@ class EwmaPool:
 
 
 class Fitted:
-    """router.speedmodel.SpeedModel (a + b*n, robust, forgetting) behind the same two calls."""
+    """router.speedmodel.SpeedModel (a + b*n, robust, forgetting, per-band shape) behind the same two calls;
+    `shape=False`: its straight line alone."""
 
-    def __init__(self, forgetting: float) -> None:
+    def __init__(self, forgetting: float, shape: bool = True) -> None:
         self.m = SpeedModel(forgetting)
+        self.shape = shape
 
     def predict(self, n: float) -> float:
-        return self.m.predict(n) if self.m.samples else math.nan
+        if not self.m.samples:
+            return math.nan
+        p = self.m.params()
+        return p.token_time(n) if self.shape else Params(p.alpha, p.beta).token_time(n)
 
     def update(self, n: float, y: float) -> None:
         self.m.update(n, y)
@@ -119,6 +124,7 @@ def summary(errs: dict[tuple[str, str], list[float]]) -> dict[str, dict[str, flo
 def variants(fixed: dict[str, tuple[float, float]]) -> dict[str, Callable[[str], object]]:
     return {
         "adaptive: a+b*n, robust, forgetting 0.99": lambda pool: Fitted(0.99),
+        "its line alone (no per-band shape)": lambda pool: Fitted(0.99, shape=False),
         "a+b*n without forgetting (256-sample window)": lambda pool: Fitted(1.0),
         "EWMA of per-request tok/s (no load term)": lambda pool: EwmaRequest(),
         "EWMA of per-pool tok/s": lambda pool: EwmaPool(),

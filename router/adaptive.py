@@ -28,6 +28,13 @@ MIN_POOL_SAMPLES = 3
 EXPLORE_FLOOR = 0.7
 # A relative change of the reported accept length beyond this rescales the model at once.
 ACCEPT_JUMP = 0.08
+# Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
+# where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
+# band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
+# (where that costs little; a pool with a prior from a calibration is known there already).
+LOW_LOAD = 3
+LOW_LOAD_SAMPLES = 5
+LOW_LOAD_EXPLORE = 0.5
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -193,11 +200,18 @@ class Adaptive:
         else:
             spec_first = s_score > b_score
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
-        if self.explore > 0 and rng.random() < self.explore:
+        if self.explore > 0:
             top, low = max(s_score, b_score)[0], min(s_score, b_score)[0]
-            stale = self.decisions - self.last_seen.get(alt.pool, 0) > self.stale_after
-            if low >= EXPLORE_FLOOR * top or stale:
+            cheap = low >= EXPLORE_FLOOR * top
+            n_alt = alt.load_estimate + 1
+            if (cheap and n_alt <= LOW_LOAD and alt.pool not in self.priors
+                    and self.model(alt.pool, alt.pool).band_samples(n_alt) < LOW_LOAD_SAMPLES
+                    and rng.random() < LOW_LOAD_EXPLORE):
                 return Decision(alt, EXPLORE)
+            if rng.random() < self.explore:
+                stale = self.decisions - self.last_seen.get(alt.pool, 0) > self.stale_after
+                if cheap or stale:
+                    return Decision(alt, EXPLORE)
         return Decision(pick, GAIN)
 
     # ---- what it learned, for /router/state and the metrics

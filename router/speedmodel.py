@@ -12,6 +12,16 @@ N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its
 WINDOW = 256  # samples kept; older ones have faded anyway (0.99^256 < 8%)
 REFIT_EVERY = 4  # once warm, refit every few samples: the fit costs ~0.2 ms, the hot path must not pay it each time
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
+# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (n running in
+# [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
+# with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
+# and a line fitted where most traffic runs misjudges the speed alone and near saturation.
+BAND_SHRINK = 3.0
+
+
+def band(n: float) -> int:
+    """The load band of n running requests: 1 -> 0, 2-3 -> 1, 4-7 -> 2, ..., 32-63 -> 5, 64+ -> 6."""
+    return max(int(n), 1).bit_length() - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +32,20 @@ class Params:
     alpha: float  # seconds per token of a request running alone
     beta: float  # seconds per token added by each other running request
     max_running: int | None = None
+    # (band, factor): measured token time over the line's, in the load bands where the model has samples
+    shape: tuple[tuple[int, float], ...] = ()
 
     def running(self, n: float) -> float:
         return n if self.max_running is None else min(n, float(self.max_running))
 
     def token_time(self, n: float) -> float:
-        return self.alpha + self.beta * max(n, 1.0)
+        t = self.alpha + self.beta * max(n, 1.0)
+        if self.shape:
+            k = band(n)
+            for b, f in self.shape:
+                if b == k:
+                    return t * f
+        return t
 
     def throughput(self, n: float) -> float:
         """Output tok/s of the server with n requests in flight."""
@@ -51,7 +69,7 @@ class SpeedModel:
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
     __slots__ = ("forgetting", "theta", "prior", "prior_weight", "buf", "samples", "err", "scale", "max_running",
-                 "last_error", "_since_fit")
+                 "last_error", "_since_fit", "shape", "counts")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
                  prior_weight: float = 20.0) -> None:
@@ -66,10 +84,16 @@ class SpeedModel:
         self.scale = 0.0  # robust standard deviation of log(measured / predicted) at the last fit
         self.max_running: int | None = None
         self._since_fit = 0
+        self.shape: tuple[tuple[int, float], ...] = ()
+        self.counts: dict[int, int] = {}  # samples held per load band
 
     def params(self) -> Params:
         a, b = self.theta
-        return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running)
+        return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running, self.shape)
+
+    def band_samples(self, n: float) -> int:
+        """Samples the model holds at about n running (n's load band)."""
+        return self.counts.get(band(n), 0)
 
     def predict(self, n: float) -> float:
         return self.params().token_time(n)
@@ -150,6 +174,24 @@ class SpeedModel:
             a = max(a, MIN_ALPHA)
         self.theta = [a, b]
         self.scale = s
+        self._fit_shape(data, ages, a, b, s)
+
+    def _fit_shape(self, data, ages, a, b, s) -> None:
+        """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
+        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK."""
+        a, b = max(a, MIN_ALPHA), max(b, 0.0)
+        acc: dict[int, list[float]] = {}
+        counts: dict[int, int] = {}
+        lim = HUBER * s
+        for (n, y), age in zip(data, ages, strict=True):
+            k = band(n)
+            r = min(max(y / (a + b * n) - 1.0, -lim), lim)
+            got = acc.setdefault(k, [0.0, 0.0])
+            got[0] += age
+            got[1] += age * r
+            counts[k] = counts.get(k, 0) + 1
+        self.counts = counts
+        self.shape = tuple((k, 1.0 + sr / (w + BAND_SHRINK)) for k, (w, sr) in sorted(acc.items()))
 
     def rescale(self, factor: float) -> None:
         """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples

@@ -117,7 +117,7 @@ def test_compare_cli_small(tmp_path, capsys):
 
 def test_compare_warms_up_the_learned_configuration_and_says_so(tmp_path, capsys):
     rc = compare.main(["--concurrency", "2", "--max-tokens", "12", "--rounds", "1", "--min-requests", "5",
-                       "--configs", "adaptive,adaptive-throughput",
+                       "--configs", "adaptive,adaptive-throughput", "--single-again",
                        "--warmup-seconds", "4", "--warmup-concurrency", "1,3", "--speedup", str(FAST),
                        "--out", str(tmp_path), "--name", "warm", "--no-plot"])
     cap = capsys.readouterr()
@@ -141,6 +141,8 @@ def test_compare_warms_up_the_learned_configuration_and_says_so(tmp_path, capsys
         assert f"adaptive: warm-up of 4 s of the servers' time ({4 / FAST:g} s wall at speedup {FAST:g}), " \
                f"{warm['requests']} requests at concurrency 1/3" in text
         assert "at least 5 requests per level" in text
+        assert "all-baseline and all-speculative as reported were measured again in phase 2" in text
+    assert data["config"]["single_again"] is True
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -8,12 +8,12 @@ import aiohttp
 import openai
 import pytest
 
-from router.adaptive import Adaptive
+from router.adaptive import LOW_LOAD_SAMPLES, Adaptive
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
 from router.pools import Pools
-from router.speedmodel import Params, SpeedModel
+from router.speedmodel import Params, SpeedModel, band
 
 S1, S2, B1 = "http://s1:1", "http://s2:1", "http://b1:1"
 # Seconds per token per request at n running, alpha + beta*n, near the shipped TP8 profiles' curves.
@@ -92,6 +92,44 @@ def test_model_seen_at_one_load_stays_bounded():
         m.update(1, truth(SEED_BASE, 1) * (1 + rng.gauss(0, 0.1)))
     assert m.params().throughput(1) == pytest.approx(tput(SEED_BASE, 1), rel=0.05)
     assert m.params().throughput(100) < 1e4  # the slope keeps its neutral guess, nothing blows up
+
+
+@pytest.mark.parametrize(("n", "want"), [(1, 0), (2, 1), (3, 1), (4, 2), (7, 2), (8, 3), (48, 5), (64, 6), (0.4, 0)])
+def test_load_bands(n, want):
+    assert band(n) == want
+
+
+def bent(n):
+    """A server that is not a straight line: 30% slower alone than a + b*n says, 15% faster from 32 running."""
+    return truth(SEED_BASE, n) * (1.3 if n < 2 else 0.85 if n >= 32 else 1.0)
+
+
+def test_shape_follows_a_curve_that_is_not_a_line():
+    rng = random.Random(3)
+    m = SpeedModel(0.99)
+    for _ in range(600):
+        n = rng.choice([1, 1, 5, 10, 12, 15, 20, 40, 50])
+        m.update(n, bent(n) * (1 + rng.gauss(0, 0.05)))
+    p = m.params()
+    line = Params(p.alpha, p.beta)  # the best straight line through the same samples
+
+    def worst(q):
+        return max(abs(q.token_time(n) / bent(n) - 1) for n in (1, 5, 10, 15, 20, 40, 50))
+
+    assert worst(p) < 0.06 and worst(line) > 0.1
+    assert m.band_samples(1) > 50 and m.band_samples(3) == 0
+    assert p.token_time(3) == pytest.approx(line.token_time(3))  # where nothing was measured: the line
+
+
+def test_a_band_needs_samples_before_it_bends_the_line():
+    m = SpeedModel(0.99)
+    rng = random.Random(6)
+    for _ in range(300):
+        n = rng.randint(4, 60)
+        m.update(n, truth(SEED_BASE, n) * (1 + rng.gauss(0, 0.05)))
+    m.update(1, truth(SEED_BASE, 1) * 3)  # one odd request alone: shrunk, clipped, not believed
+    m.fit()
+    assert m.params().token_time(1) == pytest.approx(truth(SEED_BASE, 1), rel=0.08)
 
 
 @pytest.mark.parametrize(("n", "y"), [(0, 0.01), (3, 0.0), (3, -1.0), (3, float("nan")), (float("inf"), 0.01)])
@@ -222,6 +260,28 @@ def test_exploration_is_rare_and_only_where_cheap():
     pol.last_seen = {"speculative": 10**9, "baseline": 10**9}  # nothing is stale
     dear = Counter(pol.decide(view(0, 40), rng).reason for _ in range(200))  # the other pool is far worse?
     assert dear[EXPLORE] <= 0.08 * 200
+
+
+def test_light_load_measures_both_pools_alone_before_trusting_the_line():
+    # Learned at 5-15 running only: neither pool was ever measured alone. At light load the pool not picked
+    # gets half the decisions until it has LOW_LOAD_SAMPLES there, then only the usual share.
+    pol = Adaptive(explore=0.03)
+    rng = random.Random(4)
+    for _ in range(100):
+        pol.observe(obs("speculative", S1, rng.randint(5, 15), SEED_SPEC, rng))
+        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
+    first = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
+    assert 0.4 * 400 < first[EXPLORE] < 0.6 * 400
+    alt = "speculative" if place(pol, 1) == 0 else "baseline"
+    for _ in range(LOW_LOAD_SAMPLES):
+        pol.observe(obs(alt, S1 if alt == "speculative" else B1, 1, SEED_SPEC if alt == "speculative" else SEED_BASE,
+                        rng))
+    pol.models[alt].fit()
+    later = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
+    assert later[EXPLORE] < 0.08 * 400
+    # heavier load: the usual share only
+    busy = Counter(pol.decide(view(20, 20), rng).reason for _ in range(400))
+    assert busy[EXPLORE] < 0.08 * 400
 
 
 def test_cold_start_tries_both_pools_then_follows_the_data():
