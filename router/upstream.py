@@ -90,7 +90,7 @@ class Endpoint:
         self.ssl = ssl_context if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
         self.head = f"Host: {parts.netloc}\r\n"
-        self.idle: list[Connection] = []
+        self.idle: collections.deque[Connection] = collections.deque()  # oldest on the left
         self.max_idle = max_idle
 
     def take(self, now: float) -> Connection | None:
@@ -104,9 +104,15 @@ class Endpoint:
         return None
 
     def put(self, conn: Connection) -> None:
-        if len(self.idle) < self.max_idle:
-            conn.idle_since = time.monotonic()
-            self.idle.append(conn)
+        idle = self.idle
+        now = time.monotonic()
+        # The oldest idle connection goes once it expired or the backend closed it, one per put: under steady
+        # traffic stale descriptors do not pile up behind the newest connections that take() hands out.
+        if idle and (idle[0].closed or now - idle[0].idle_since >= KEEPALIVE_S):
+            idle.popleft().close()
+        if len(idle) < self.max_idle:
+            conn.idle_since = now
+            idle.append(conn)
         else:
             conn.close()
 

@@ -398,3 +398,19 @@ async def test_gate_hands_a_freed_place_to_the_oldest_waiter_and_a_cancelled_wai
     assert first.cancelled() and gate.free == 0
     gate.give()
     assert gate.free == 1 and gate.try_take()
+
+
+async def test_the_pool_hands_out_the_newest_connection_and_drops_expired_ones():
+    ep = upstream.Endpoint("http://127.0.0.1:1", None, max_idle=2)
+    conns = [connection() for _ in range(4)]
+    for conn, _ in conns[:2]:
+        ep.put(conn)
+    conns[0][0].idle_since -= upstream.KEEPALIVE_S  # the oldest has been idle too long
+    ep.put(conns[2][0])  # drops the expired oldest, keeps the other two
+    assert list(ep.idle) == [conns[1][0], conns[2][0]] and conns[0][1].closed
+    ep.put(conns[3][0])  # full (max_idle 2): closed, not kept
+    assert conns[3][1].closed and len(ep.idle) == 2
+    now = upstream.time.monotonic()
+    assert ep.take(now) is conns[2][0]  # newest first
+    conns[1][0].connection_lost(None)  # the backend closed it while idle
+    assert ep.take(now) is None and not ep.idle
