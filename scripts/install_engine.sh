@@ -8,7 +8,7 @@ VERSION=0.3.36  # also pinned in pyproject.toml (extra `engine`) and bench/engin
 WHEELS=${SPEC_ROUTER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/spec-router/wheels}
 mkdir -p "$WHEELS"
 if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
-  echo "building llama-cpp-python $VERSION into $WHEELS (once; about 9 CPU-minutes, see docs/ENGINES.md)" >&2
+  echo "building llama-cpp-python $VERSION into $WHEELS (once; about 6 CPU-minutes, 2.5 minutes on an idle 2-core machine; docs/ENGINES.md)" >&2
   if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
