@@ -12,25 +12,11 @@ from aiohttp import web
 
 from bench import fastbackend, overhead
 from bench.rawhttp import Connection, HTTPFailure, request_bytes
+from tests.test_router_h1 import FakeTransport
 
 HAVE_PEER = importlib.util.find_spec("sglang_router") is not None
 TINY = ["--duration", "0.3", "--warmup", "0.1", "--concurrency", "8", "--long-tokens", "300", "--long-streams",
         "2", "--stream-tokens", "3", "--idle-streams", "20"]
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.written = b""
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
 
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -43,7 +29,7 @@ LENGTH = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\nContent-Type: application/js
 @pytest.mark.parametrize("piece", [1, 2, 7, 10_000])
 async def test_raw_client_reads_responses_split_anywhere(raw, body_bytes, events, piece):
     conn = Connection()
-    conn.connection_made(_Transport())
+    conn.connection_made(FakeTransport())
     for _ in range(2):  # the same connection serves the next request: keep-alive
         waiter = conn.send(b"POST / HTTP/1.1\r\n\r\n")
         for i in range(0, len(raw), piece):
@@ -56,7 +42,7 @@ async def test_raw_client_reads_responses_split_anywhere(raw, body_bytes, events
 
 async def test_raw_client_fails_on_error_status_and_on_a_cut():
     conn = Connection()
-    conn.connection_made(_Transport())
+    conn.connection_made(FakeTransport())
     waiter = conn.send(b"x")
     conn.data_received(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\n\r\nno")
     with pytest.raises(HTTPFailure, match="503"):
