@@ -1,6 +1,7 @@
 """The adaptive policy: learns each pool's (and instance's) speed online and routes on the learned models."""
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 
@@ -17,7 +18,7 @@ from router.policy import (
     other,
     sole_pool,
 )
-from router.speedmodel import NEUTRAL, Params, SpeedModel
+from router.speedmodel import NEUTRAL, Params, SpeedModel, band
 
 OBJECTIVES = ("throughput", "latency")
 # An instance routes on its own model once it has this many samples; before, on its pool's.
@@ -35,25 +36,36 @@ ACCEPT_JUMP = 0.08
 LOW_LOAD = 3
 LOW_LOAD_SAMPLES = 5
 LOW_LOAD_EXPLORE = 0.5
+# A server's own throughput figure and the router's timing of its requests need not agree: gen_throughput is a
+# decode-only window average, and a simulator at --speedup K reports it on its simulated clock (K times off).
+# Per backend, the log ratio of the two is learned where both are measured (UNIT_BAND_SAMPLES request samples
+# in the load band), and /v1/loads samples are folded in on the router's scale once UNIT_MIN ratios are in;
+# before any request sample they are folded as they are (a cold start has nothing better).
+UNIT_BAND_SAMPLES = 8
+UNIT_MIN = 3
+UNIT_GAIN = 0.1
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
-    """What one finished exchange says of its server: (n running, seconds per token per request while it
-    decoded), or None when it says nothing usable. `limit`: the server's max_running_requests, if known."""
+    """What one finished exchange says of its server: (n running, seconds per token per request), or None
+    when it says nothing usable. `limit`: the server's max_running_requests, if known.
+
+    The whole duration counts, time to first token included: what the router maximises is closed-loop
+    throughput, X = n * tokens / duration (Little's law), so a server slower to start a request (prefill,
+    another request's prefill stalling the batch, a queue) is slower for it. Decode time alone made the
+    speculative model a few percent optimistic against the curves `balanced` routes on."""
     tokens = obs.completion_tokens
     if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
         return None
-    if obs.ttft_s is not None and obs.chunks >= 2:
-        # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
-        decode = obs.duration_s - obs.ttft_s
-        y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
-    else:
-        y = obs.duration_s / tokens
-    if y <= 0:
+    if obs.ttft_s is not None and obs.ttft_s > obs.duration_s:
         return None
+    y = obs.duration_s / tokens
     n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
-    if limit is not None:
-        n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
+    if limit is not None and n > limit:
+        # The rest waited in the queue: the server ran `limit` at its throughput X(limit), so this request's
+        # duration per token is n / X(limit) and the token time at `limit` is y * limit / n.
+        y *= limit / n
+        n = float(limit)
     return n, y
 
 
@@ -84,6 +96,8 @@ class Adaptive:
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.running: dict[str, int] = {}  # running requests each backend last reported
         self.samples: dict[tuple[str, str], int] = {}  # (pool, source) -> samples folded in
+        self.request_bands: dict[str, dict[int, int]] = {}  # backend -> load band -> request samples
+        self.unit: dict[str, tuple[float, int]] = {}  # backend -> (log(router's y / loads' y), ratios seen)
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
@@ -139,6 +153,8 @@ class Adaptive:
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
         if got is not None:
+            bands = self.request_bands.setdefault(obs.url, {})
+            bands[band(got[0])] = bands.get(band(got[0]), 0) + 1
             self._fold(obs.pool, obs.url, got[0], got[1], "request")
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
@@ -164,7 +180,17 @@ class Adaptive:
         # held still (one poll to the next); right after a change it would say the server is slower than it is.
         if (figs.running >= 1 and figs.running == before_running and figs.gen_throughput is not None
                 and figs.gen_throughput > 0):
-            self._fold(pool, url, float(figs.running), figs.running / figs.gen_throughput, "loads")
+            n, y = float(figs.running), figs.running / figs.gen_throughput
+            bands = self.request_bands.get(url, {})
+            if bands.get(band(n), 0) >= UNIT_BAND_SAMPLES:
+                r = math.log(self.model(url, pool).predict(n) / y)
+                u, seen = self.unit.get(url, (r, 0))
+                self.unit[url] = (u + UNIT_GAIN * (r - u) if seen else r, seen + 1)
+            u, seen = self.unit.get(url, (0.0, 0))
+            if seen >= UNIT_MIN:
+                self._fold(pool, url, n, y * math.exp(u), "loads")
+            elif not bands:
+                self._fold(pool, url, n, y, "loads")
 
     # ---- decisions
     def score(self, b: BackendView) -> tuple[float, float]:
@@ -248,6 +274,7 @@ class Adaptive:
         backends = [describe(b.url, b.pool) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
+            "loads_scale": round(math.exp(self.unit[b.url][0]), 4) if b.url in self.unit else None,
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,

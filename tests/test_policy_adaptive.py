@@ -209,9 +209,8 @@ def test_throughput_objective_finds_the_best_split(c):
 
 def obs(pool, url, n, ab, rng, tokens=200, noise=0.15):
     per_token = truth(ab, n) * max(0.05, 1 + rng.gauss(0, noise))
-    chunks = tokens // 2
-    decode = per_token * tokens * (chunks - 1) / chunks
-    return Observation(pool, url, n, n, decode + 0.05, 0.05, tokens, chunks, True)
+    duration = per_token * tokens  # first token included: the model is of whole durations (Little's law)
+    return Observation(pool, url, n, n, duration, duration / 20, tokens, tokens // 2, True)
 
 
 def test_adaptive_learns_from_observations_what_the_priors_would_have_said():
@@ -327,6 +326,33 @@ def test_loads_feed_the_model_and_an_accept_drop_rescales_it_at_once():
     pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16) * 1.6 / 2.6, rel=0.05)
     assert pol.state(view())["backends"][0]["accept_length"] == 1.6
+
+
+def test_loads_figures_on_another_clock_are_put_on_the_routers_scale():
+    """A server whose gen_throughput is 5x its requests' speed (a simulator at --speedup 5 reports simulated
+    tok/s): the ratio is learned where both are measured and the /v1/loads samples fold in on the requests'
+    scale. Fails if the figures are folded as they are (the model would be ~5x slow in the bands they reach)."""
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(5)
+    for running in (4, 8, 16, 32) * 6:
+        for _ in range(3):
+            pol.observe(obs("baseline", B1, running, SEED_BASE, rng, noise=0.05))
+        for _ in range(2):
+            pol.observe_loads(B1, "baseline", LoadFigures(running, 0, tput(SEED_BASE, running) / 5, None, 64))
+    m = pol.pool_model("baseline")
+    assert pol.samples[("baseline", "loads")] > 10
+    assert pol.state(view())["backends"][1]["loads_scale"] == pytest.approx(1 / 5, rel=0.1)
+    for n in (4, 8, 16, 32):  # folded as they are: 2.5-4.5% slow at 4-32 (clipped outliers bend the bands)
+        assert m.params().throughput(n) == pytest.approx(tput(SEED_BASE, n), rel=0.02)
+
+
+def test_loads_figures_alone_give_a_cold_start():
+    """No request yet: /v1/loads samples are folded as they are (nothing to put them on another scale)."""
+    pol = Adaptive(explore=0.0)
+    for _ in range(3):
+        pol.observe_loads(B1, "baseline", LoadFigures(8, 0, tput(SEED_BASE, 8), None, 64))
+    assert pol.samples[("baseline", "loads")] == 2
+    assert pol.pool_model("baseline").params().throughput(8) == pytest.approx(tput(SEED_BASE, 8), rel=0.01)
 
 
 def test_pools_feed_the_adaptive_policy():
