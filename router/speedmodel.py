@@ -9,7 +9,11 @@ from dataclasses import dataclass
 NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
 MIN_ALPHA = 1e-5
 N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its scale
-WINDOW = 256  # samples kept; older ones have faded anyway (0.99^256 < 8%)
+# Samples kept per load band: a band the traffic has left keeps its samples (faded by age, so a drift is
+# followed where the traffic is) until traffic comes back. With one window for all, 256 samples at 250 clients
+# pushed every light-load sample out, the slope was no longer identified, and the next quiet level was routed
+# on a neutral guess of it.
+BAND_WINDOW = 128
 REFIT_EVERY = 4  # once warm, refit every few samples: the fit costs ~0.2 ms, the hot path must not pay it each time
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (n running in
@@ -62,13 +66,13 @@ class Params:
 
 
 class SpeedModel:
-    """Weighted least squares of y = alpha + beta*n over the last WINDOW samples (n running, y seconds per
-    token per request), on relative errors (a request at high load weighs as much as one alone), with
-    weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
+    """Weighted least squares of y = alpha + beta*n over the last BAND_WINDOW samples of each load band (n
+    running, y seconds per token per request), on relative errors (a request at high load weighs as much as
+    one alone), with weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
     requests and hiccups do not drag the fit (refitted a few times from the last fit: IRLS). A prior
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
-    __slots__ = ("forgetting", "theta", "prior", "prior_weight", "buf", "samples", "err", "scale", "max_running",
+    __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
                  "last_error", "_since_fit", "shape", "counts")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
@@ -77,7 +81,7 @@ class SpeedModel:
         self.prior = prior
         self.prior_weight = prior_weight
         self.theta = list(prior if prior is not None else NEUTRAL)
-        self.buf: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self.bands: dict[int, deque[tuple[float, float, int]]] = {}  # load band -> its latest (n, y, sample no.)
         self.samples = 0
         self.err = 0.0  # EWMA of |relative error| of the prediction made before each sample
         self.last_error = 0.0
@@ -107,7 +111,10 @@ class SpeedModel:
         self.last_error = rel
         gain = 0.05 if self.samples >= 20 else 1.0 / (self.samples + 1)
         self.err += gain * (min(rel, 1.0) - self.err)
-        self.buf.append((float(n), y))
+        held = self.bands.get(band(n))
+        if held is None:
+            held = self.bands[band(n)] = deque(maxlen=BAND_WINDOW)
+        held.append((float(n), y, self.samples))
         self.samples += 1
         self._since_fit += 1
         if self.samples <= 32 or self._since_fit >= REFIT_EVERY:
@@ -116,10 +123,15 @@ class SpeedModel:
 
     def fit(self) -> None:
         self._since_fit = 0
-        data = list(self.buf)
-        m = len(data)
         lam = self.forgetting
-        ages = [lam ** (m - 1 - i) for i in range(m)]
+        data: list[tuple[float, float]] = []
+        ages: list[float] = []
+        last = self.samples - 1
+        for held in self.bands.values():
+            for n, y, no in held:
+                data.append((n, y))
+                ages.append(lam ** (last - no))
+        m = len(data)
         a, b = self.theta
         for _ in range(3):
             preds = [max(a + b * n, MIN_ALPHA) for n, _ in data]
@@ -198,14 +210,16 @@ class SpeedModel:
         held included, so the next fit starts from the new level rather than averaging the old one in."""
         if factor > 0 and factor != 1.0:
             self.theta = [self.theta[0] * factor, self.theta[1] * factor]
-            self.buf = deque(((n, y * factor) for n, y in self.buf), maxlen=WINDOW)
+            self.bands = {k: deque(((n, y * factor, no) for n, y, no in held), maxlen=BAND_WINDOW)
+                          for k, held in self.bands.items()}
             if self.prior is not None:
                 self.prior = (self.prior[0] * factor, self.prior[1] * factor)
 
     def noise(self) -> float:
         """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
         lam = self.forgetting
-        eff = min(len(self.buf), (1 + lam) / (1 - lam) if lam < 1 else WINDOW)
+        held = sum(len(b) for b in self.bands.values())
+        eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
 
     def update_throughput(self, running: int, tok_s: float, weight: float = 1.0) -> float:

@@ -94,6 +94,19 @@ def test_model_seen_at_one_load_stays_bounded():
     assert m.params().throughput(100) < 1e4  # the slope keeps its neutral guess, nothing blows up
 
 
+def test_a_long_saturated_spell_does_not_erase_what_light_load_taught():
+    """300 samples over 1-60 running, then 600 at 64 only (a busy hour): the light-load bands keep their
+    samples, so the speed alone is still known. With one 256-sample window for all bands (the earlier model)
+    the slope was unidentified afterwards and the speed alone came out at 0.52x of the truth."""
+    rng = random.Random(6)
+    m = SpeedModel(0.99)
+    feed(m, SEED_BASE, 300, rng, noise=0.1)
+    for _ in range(600):
+        m.update(64, truth(SEED_BASE, 64) * (1 + rng.gauss(0, 0.1)))
+    for n in (1, 2, 5, 10, 30, 64):
+        assert m.params().throughput(n) == pytest.approx(tput(SEED_BASE, n), rel=0.05), n
+
+
 @pytest.mark.parametrize(("n", "want"), [(1, 0), (2, 1), (3, 1), (4, 2), (7, 2), (8, 3), (48, 5), (64, 6), (0.4, 0)])
 def test_load_bands(n, want):
     assert band(n) == want
