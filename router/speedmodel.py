@@ -14,7 +14,10 @@ N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its
 # pushed every light-load sample out, the slope was no longer identified, and the next quiet level was routed
 # on a neutral guess of it.
 BAND_WINDOW = 128
-REFIT_EVERY = 4  # once warm, refit every few samples: the fit costs ~0.2 ms, the hot path must not pay it each time
+# Once warm, refit every REFIT_EVERY samples, or every held/REFIT_SHARE when more are held: a fit costs ~6 us
+# per sample held (5.8 ms at 896), and the event loop must not pay that per request (<= ~0.2 ms amortised).
+REFIT_EVERY = 4
+REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (n running in
 # [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
@@ -95,6 +98,10 @@ class SpeedModel:
         a, b = self.theta
         return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running, self.shape)
 
+    def held(self) -> int:
+        """Samples held over all load bands."""
+        return sum(len(b) for b in self.bands.values())
+
     def band_samples(self, n: float) -> int:
         """Samples the model holds at about n running (n's load band)."""
         return self.counts.get(band(n), 0)
@@ -117,7 +124,7 @@ class SpeedModel:
         held.append((float(n), y, self.samples))
         self.samples += 1
         self._since_fit += 1
-        if self.samples <= 32 or self._since_fit >= REFIT_EVERY:
+        if self.samples <= 32 or self._since_fit >= max(REFIT_EVERY, self.held() // REFIT_SHARE):
             self.fit()
         return rel
 
@@ -218,7 +225,7 @@ class SpeedModel:
     def noise(self) -> float:
         """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
         lam = self.forgetting
-        held = sum(len(b) for b in self.bands.values())
+        held = self.held()
         eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
 
