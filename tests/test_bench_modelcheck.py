@@ -24,7 +24,7 @@ def synthetic(count: int, rng: random.Random, step_at: int | None = None, factor
     return out
 
 
-NO_FORGETTING = "a+b*n without forgetting (256-sample window)"
+NO_FORGETTING = "a+b*n without forgetting (128 samples per band)"
 
 
 def median(result, name, key):
@@ -46,7 +46,7 @@ def test_a_load_aware_fit_beats_load_blind_averages_on_varying_load():
 def test_after_a_step_change_forgetting_follows_and_the_fixed_curve_does_not():
     samples = synthetic(500, random.Random(2), step_at=300, factor=1.6)
     models = modelcheck.variants({"baseline": AB})
-    # judged on the 200 samples after the change (the window holds 256: it forgets within that alone)
+    # judged on the 200 samples after the change (128 per band are held: it forgets within those alone)
     res = {name: modelcheck.summary(modelcheck.replay(samples, make)) for name, make in models.items()}
     forgetting = median(res, "adaptive: a+b*n, robust, forgetting 0.99", "baseline/after")
     assert forgetting < 0.2
