@@ -23,7 +23,7 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
 # with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
-BAND_SHRINK = 3.0
+BAND_SHRINK = 5.0
 
 
 def band(n: float) -> int:
@@ -197,7 +197,11 @@ class SpeedModel:
 
     def _fit_shape(self, data, ages, a, b, s) -> None:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
-        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK."""
+        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK
+        samples against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That count does not
+        fall when all of a band's samples fade alike: a band the traffic left long ago keeps its correction
+        instead of falling back on the line, which the busy band alone now sets (shrinking by the faded
+        weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
         acc: dict[int, list[float]] = {}
         counts: dict[int, int] = {}
@@ -205,12 +209,18 @@ class SpeedModel:
         for (n, y), age in zip(data, ages, strict=True):
             k = band(n)
             r = min(max(y / (a + b * n) - 1.0, -lim), lim)
-            got = acc.setdefault(k, [0.0, 0.0])
+            got = acc.setdefault(k, [0.0, 0.0, 0.0])
             got[0] += age
             got[1] += age * r
+            got[2] += age * age
             counts[k] = counts.get(k, 0) + 1
         self.counts = counts
-        self.shape = tuple((k, 1.0 + sr / (w + BAND_SHRINK)) for k, (w, sr) in sorted(acc.items()))
+        shape = []
+        for k, (w, sr, w2) in sorted(acc.items()):
+            if w > 0 and w2 > 0:
+                eff = w * w / w2
+                shape.append((k, 1.0 + (sr / w) * eff / (eff + BAND_SHRINK)))
+        self.shape = tuple(shape)
 
     def rescale(self, factor: float) -> None:
         """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples
