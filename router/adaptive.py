@@ -90,6 +90,7 @@ class Adaptive:
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
         self.accept: dict[str, float] = {}  # accept length each backend last reported
+        self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
@@ -155,13 +156,20 @@ class Adaptive:
                 m.max_running = limit
                 self._publish(key, m, 1.0)
         if figs.accept_length is not None and figs.accept_length > 0:
-            before = self.accept.get(url)
             self.accept[url] = figs.accept_length
-            if before is not None and abs(figs.accept_length - before) > ACCEPT_JUMP * before:
+            # Against the accept length the model was last scaled at, not the last one reported: a figure that
+            # jitters (a window average; idle and busy report differently) must not walk the model away in
+            # sub-threshold steps, and A -> B -> A must come back to exactly where it was. Compared with the
+            # last report instead, a compare run walked both models 5x off within minutes.
+            anchor = self.anchor.get(url)
+            if anchor is None:
+                self.anchor[url] = figs.accept_length
+            elif abs(figs.accept_length - anchor) > ACCEPT_JUMP * anchor:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
+                self.anchor[url] = figs.accept_length
                 for key in (url, pool):
                     m = self.model(key, pool)
-                    m.rescale(before / figs.accept_length)
+                    m.rescale(anchor / figs.accept_length)
                     self.published[key] = m.params()
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
