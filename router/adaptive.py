@@ -27,7 +27,13 @@ MIN_POOL_SAMPLES = 3
 # Exploration never picks a backend whose score is below this fraction of the best one's.
 EXPLORE_FLOOR = 0.7
 # A relative change of the reported accept length beyond this rescales the model at once.
-ACCEPT_JUMP = 0.08
+# The reported accept length is a window average that moves by 5-10% with the mix of the last steps' requests
+# (other clients' traffic included): only a larger move, seen on ACCEPT_POLLS polls in a row, is a change of
+# tokens per step (a drafter swap, a prompt-mix shift: 2.6 -> 1.6 is 38%). Smaller real changes are left to
+# the timings, which forgetting follows. At 8% and one poll, a compare run rescaled the models back and forth
+# while samples kept coming in, and each round trip left them a few percent off (5x after a few minutes).
+ACCEPT_JUMP = 0.2
+ACCEPT_POLLS = 2
 # Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
 # where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
 # band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
@@ -91,6 +97,7 @@ class Adaptive:
         self.published: dict[str, Params] = {}
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
+        self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
@@ -164,9 +171,13 @@ class Adaptive:
             anchor = self.anchor.get(url)
             if anchor is None:
                 self.anchor[url] = figs.accept_length
-            elif abs(figs.accept_length - anchor) > ACCEPT_JUMP * anchor:
+            elif abs(figs.accept_length - anchor) <= ACCEPT_JUMP * anchor:
+                self.beyond[url] = 0
+            elif self.beyond.get(url, 0) + 1 < ACCEPT_POLLS:
+                self.beyond[url] = self.beyond.get(url, 0) + 1
+            else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
-                self.anchor[url] = figs.accept_length
+                self.anchor[url], self.beyond[url] = figs.accept_length, 0
                 for key in (url, pool):
                     m = self.model(key, pool)
                     m.rescale(anchor / figs.accept_length)

@@ -364,13 +364,15 @@ def test_loads_figures_set_the_queue_and_an_accept_drop_rescales_the_model_at_on
     assert m.max_running == 48 and pol.params(view().speculative[0]).max_running == 48
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)
     pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
+    assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)  # one poll: a blip
+    pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16) * 1.6 / 2.6, rel=0.03)
     assert pol.state(view())["backends"][0]["accept_length"] == 1.6
 
 
 def test_a_jittering_accept_length_does_not_walk_the_model_away():
-    """The reported accept length is a window average: it jitters (here 2.6 +- 6%, some steps past the 8%
-    threshold) while the server's speed does not change. Rescaling against the last report walked the model in
+    """The reported accept length is a window average: it jitters (here 2.6 +- 25%, past the 20% threshold
+    now and then, even twice in a row) while the server's speed does not change. Rescaling against the last report walked the model in
     sub-threshold steps (a compare run found both models 5x off); against the length it was last scaled at,
     it comes back to where it was whenever the figure does."""
     pol = Adaptive(explore=0.0)
@@ -380,7 +382,7 @@ def test_a_jittering_accept_length_does_not_walk_the_model_away():
     m = pol.pool_model("speculative")
     before = m.params().throughput(16)
     for _ in range(2000):
-        pol.observe_loads(S1, "speculative", LoadFigures(8, 0, None, 2.6 * (1 + rng.uniform(-0.06, 0.06)), 48))
+        pol.observe_loads(S1, "speculative", LoadFigures(8, 0, None, 2.6 * (1 + rng.uniform(-0.25, 0.25)), 48))
     pol.observe_loads(S1, "speculative", LoadFigures(8, 0, None, 2.6, 48))
     assert m.params().throughput(16) == pytest.approx(before, rel=0.1)
 
