@@ -41,7 +41,9 @@ declare -A MODULE_TESTS=(
     tests/test_router_health.py::test_a_local_failure_gives_no_verdict
     tests/test_router_health.py::test_probes_carry_the_pools_backend_key
     tests/test_router_discovery.py::test_members_join_and_leave_without_restart"
-  [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py"
+  [router/exchange.py]="tests/test_exchange.py tests/test_upstream_errors.py tests/test_proxy_branches.py
+    tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_router_streaming.py
+    tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py"
 )
 
 if [ "$#" -gt 0 ]; then
