@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 
 import aiohttp
 import pytest
 
 from router import upstream
+from router.errors import UpstreamError
 from tests.fixtures_rawbackend import (
     Conn,
     hang,
@@ -299,3 +301,55 @@ async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_
     assert router.registry.get_sample_value("router_upstream_waiting_requests", labels) == 0
     assert b.chat_hits() == 2
 
+
+
+# ---------------------------------------------------------------- where to connect: plain or TLS, which port
+
+@pytest.mark.parametrize(("url", "host", "port", "prefix", "head", "tls"), [
+    ("http://b.example/v1/", "b.example", 80, "/v1", "Host: b.example\r\n", False),
+    ("https://b.example", "b.example", 443, "", "Host: b.example\r\n", True),
+    ("https://b.example:8443/x/y/", "b.example", 8443, "/x/y", "Host: b.example:8443\r\n", True),
+    ("http://10.0.0.7:30000", "10.0.0.7", 30000, "", "Host: 10.0.0.7:30000\r\n", False),
+])
+def test_an_endpoint_knows_where_to_connect_and_what_to_send(url, host, port, prefix, head, tls):
+    """The default port per scheme, TLS only for https, the path prefix without its trailing slash, the Host
+    line as the URL spells it. mutmut: Endpoint.__init__ 3-4 and 6-25 (host, port, ssl, prefix, head)."""
+    ctx = ssl.create_default_context()
+    ep = upstream.Endpoint(url, ctx, 3)
+    assert (ep.host, ep.port, ep.prefix, ep.head, ep.max_idle) == (host, port, prefix, head, 3)
+    assert ep.ssl is (ctx if tls else None)
+
+
+async def test_the_client_makes_one_verifying_tls_context_for_https_backends_only():
+    """mutmut: Client.__init__ 11 (`_ssl = ""`: never made), Client.endpoint 4-9 and 12 (the https test, the
+    context made again or never, not passed on)."""
+    client = upstream.Client(1.0, 10, 2)
+    a, b, plain = (client.endpoint(u) for u in ("https://a.example", "https://b.example:8443", "http://c.example"))
+    assert isinstance(a.ssl, ssl.SSLContext) and a.ssl is b.ssl and plain.ssl is None
+    assert a.ssl.verify_mode == ssl.CERT_REQUIRED and a.ssl.check_hostname
+    assert client.endpoint("https://a.example") is a and client.endpoint("http://c.example") is plain
+
+
+async def test_an_https_backend_gets_a_tls_handshake_not_plain_http():
+    """The first byte a backend at an https URL receives is a TLS handshake record (0x16), never the request
+    line; a backend that then hangs up is a connect failure. mutmut: Client._connect 7 and 11 (ssl=None / no
+    ssl argument: the request goes out in clear text)."""
+    first: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first.append(await reader.read(1))
+        writer.transport.abort()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = upstream.Client(5.0, 10, 2)
+    try:
+        with pytest.raises(UpstreamError) as info:
+            async with asyncio.timeout(10):
+                await upstream.send(client, url, "/v1/x", b"{}", {})
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+    assert first == [b"\x16"]
+    assert info.value.kind == "connect" and str(info.value).startswith(f"cannot connect to backend {url}: ")
