@@ -276,6 +276,16 @@ async def test_a_waiter_cancelled_before_its_turn_takes_no_place():
     assert gate.free == 1 and gate.try_take() and not gate.try_take()
 
 
+def test_every_place_given_back_can_be_taken_again():
+    """mutmut: Gate.give 3 (`free = 1`: places given back while others are free are lost), 4 and 5."""
+    gate = upstream.Gate(3)
+    assert [gate.try_take() for _ in range(4)] == [True, True, True, False]
+    for _ in range(3):
+        gate.give()
+    assert gate.free == 3
+    assert [gate.try_take() for _ in range(4)] == [True, True, True, False]
+
+
 async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_gone(raw_backend_factory,
                                                                                       router_factory):
     """router_upstream_waiting_requests starts at 0 (not absent), shows a request waiting for the backend's only
@@ -308,7 +318,7 @@ async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_
 @pytest.mark.parametrize(("url", "host", "port", "prefix", "head", "tls"), [
     ("http://b.example/v1/", "b.example", 80, "/v1", "Host: b.example\r\n", False),
     ("https://b.example", "b.example", 443, "", "Host: b.example\r\n", True),
-    ("https://b.example:8443/x/y/", "b.example", 8443, "/x/y", "Host: b.example:8443\r\n", True),
+    ("https://b.example:8443/v1/X/", "b.example", 8443, "/v1/X", "Host: b.example:8443\r\n", True),
     ("http://10.0.0.7:30000", "10.0.0.7", 30000, "", "Host: 10.0.0.7:30000\r\n", False),
 ])
 def test_an_endpoint_knows_where_to_connect_and_what_to_send(url, host, port, prefix, head, tls):
