@@ -120,16 +120,38 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     assert seam.attempts == [Attempt("ok", 200)]
 
 
-async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, router_factory):
-    """An answer that ends cleanly but without [DONE] was not finished by the backend (ok False), and a stream
-    whose first chunk held no whole event is not finished either. mutmut: stream 27 (`done_sent = True`)."""
-    b = await raw_backend_factory({CHAT: sse(sse_body(event("a"), event("b")))})
+@pytest.mark.parametrize("body", [sse_body(event("a"), event("b")), sse_body(event("a"), final_blank_line=False)],
+                         ids=["two-events", "no-whole-event"])
+async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, router_factory, body):
+    """An answer that ends cleanly but without [DONE] was not finished by the backend (ok False), also when no
+    whole event ever came (only the tail, forwarded at the end). Regression: with no whole event forwarded (no
+    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 27 (`done_sent = True`)."""
+    b = await raw_backend_factory({CHAT: sse(body)})
     router = await router_factory([b.url], [], **SETTINGS)
     seam = Seam(router)
     async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM) as r:
-        assert r.status == 200 and await r.read() == sse_body(event("a"), event("b"))
+        assert r.status == 200 and await r.read() == body
     (obs,) = seam.done
-    assert obs.ok is False and obs.chunks >= 1
+    assert obs.ok is False
+
+
+async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
+    """Half an event, then silence: the idle timeout in-band, and the exchange reported failed (it was reported
+    ok before the fix, having no ttft). mutmut: stream 27 (`done_sent = True`) on the error path."""
+    async def half_then_stall(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: half_then_stall})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 0.5})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        got = await r.read()
+    assert r.status == 200 and got.endswith(b'"code": "upstream_timeout"}}\n\ndata: [DONE]\n\n')
+    (obs,) = seam.done
+    assert (obs.ok, obs.ttft_s, obs.chunks) == (False, None, 0)
 
 
 async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_backend_factory, router_factory):
