@@ -101,4 +101,4 @@ def with_usage(body: bytes, head: Head) -> bytes:
     if codec is None:
         return out.encode()
     mark = "\ufeff" if body.startswith("\ufeff".encode(codec)) else ""
-    return (mark + out).encode(codec, "surrogatepass")
+    return (mark + out).encode(codec)  # json.dumps wrote ASCII only: nothing to pass through

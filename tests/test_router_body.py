@@ -91,13 +91,23 @@ _ASKED = '{"stream_options":{"include_usage":true},"stream":true,"c":"h\u00e9 \U
     # stream_options without include_usage (re-serialised): back in the client's encoding too
     (_in("utf-16-le", '{"stream":true,"stream_options":{}}', b"\xff\xfe"),
      _in("utf-16-le", '{"stream": true, "stream_options": {"include_usage": true}}', b"\xff\xfe")),
+    (_in("utf-16-be", '{"stream":true,"stream_options":{"x":1}}'),
+     _in("utf-16-be", '{"stream": true, "stream_options": {"x": 1, "include_usage": true}}')),
+    # the first brace, in code units too
+    (_in("utf-16-le", '{"stream":true,"o":{"a":1}}'),
+     _in("utf-16-le", '{"stream_options":{"include_usage":true},"stream":true,"o":{"a":1}}')),
+    # a lone surrogate (json.loads takes it): kept as it came
+    ('{"stream":true,"c":"\ud800"}'.encode("utf-16-le", "surrogatepass"),
+     '{"stream_options":{"include_usage":true},"stream":true,"c":"\ud800"}'.encode("utf-16-le", "surrogatepass")),
     # not streamed: untouched, whatever the encoding
     (_in("utf-16-le", '{"stream":false}'), _in("utf-16-le", '{"stream":false}')),
 ], ids=["utf16le", "utf16be", "utf16le-bom", "utf16be-bom", "utf32le", "utf32be-bom", "utf8-bom",
-        "utf16le-bom-options", "utf16le-not-streamed"])
+        "utf16le-bom-options", "utf16be-options", "utf16le-nested", "utf16le-lone-surrogate", "utf16le-not-streamed"])
 async def test_json_in_utf16_or_utf32_keeps_its_encoding(raw_backend_factory, router_factory, sent, forwarded):
     """A streamed body in UTF-16 or UTF-32 used to get ASCII bytes spliced between its code units (a body no
-    backend could read). Fails on with_usage before the fix (`body.index(b"{") + 1` on any encoding)."""
+    backend could read). Fails on with_usage before the fix (`body.index(b"{") + 1` on any encoding).
+    mutmut: _wide_codec's byte order, with_usage's text path (`rindex`, the surrogatepass handler on both
+    sides), the byte-order mark of the re-serialised body (`or True`, "XXXX")."""
     be = await raw_backend_factory({})
     router = await router_factory([be.url], [])
     status, _, _ = await post(router.url, sent)
