@@ -69,12 +69,36 @@ async def read_body(request: web.Request, limit: int, within: float | None = Non
     return body, parse_head(body)
 
 
+def _wide_codec(body: bytes) -> str | None:
+    """The codec of a UTF-16 or UTF-32 JSON body with its byte order spelled out (None for UTF-8, BOM or not).
+
+    RFC 8259 asks for UTF-8 between systems, but SGLang's FastAPI reads a body with json.loads(bytes), which takes
+    these too (json.detect_encoding). With an explicit byte order a byte-order mark decodes to U+FEFF and encodes
+    back as it came."""
+    codec = json.detect_encoding(body)
+    if codec.startswith("utf-8"):
+        return None
+    if codec in ("utf-16", "utf-32"):  # only these carry a mark: it tells the byte order
+        return codec + ("-le" if body.startswith(b"\xff\xfe") else "-be")
+    return codec
+
+
 def with_usage(body: bytes, head: Head) -> bytes:
     """Ask the backend for the usage chunk, changing the client's bytes as little as possible."""
+    codec = _wide_codec(body)
     if head.stream_options is msgspec.UNSET:
         # Insert right after the opening brace: every byte the client sent stays as sent.
-        i = body.index(b"{") + 1
-        return body[:i] + b'"stream_options":{"include_usage":true},' + body[i:]
+        if codec is None:
+            i = body.index(b"{") + 1
+            return body[:i] + b'"stream_options":{"include_usage":true},' + body[i:]
+        # UTF-16/32: the same insertion between code units, in the body's own encoding.
+        text = body.decode(codec, "surrogatepass")
+        i = text.index("{") + 1
+        return (text[:i] + '"stream_options":{"include_usage":true},' + text[i:]).encode(codec, "surrogatepass")
     obj = json.loads(body)  # rare: the client sent stream_options without include_usage
     opts = obj["stream_options"] if isinstance(obj["stream_options"], dict) else {}
-    return json.dumps({**obj, "stream_options": {**opts, "include_usage": True}}).encode()
+    out = json.dumps({**obj, "stream_options": {**opts, "include_usage": True}})
+    if codec is None:
+        return out.encode()
+    mark = "\ufeff" if body.startswith("\ufeff".encode(codec)) else ""
+    return (mark + out).encode(codec)  # json.dumps wrote ASCII only: nothing to pass through

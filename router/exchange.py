@@ -301,7 +301,8 @@ class Exchange:
         if self.watchdog is not None:
             self.watchdog.upstream_done()
         b = self.lease.backend
-        ok = self.code.startswith("2") and (complete or self.ttft is None)
+        # A stream is finished only by its [DONE]; a buffered answer (no watchdog) by its whole body.
+        ok = self.code.startswith("2") and (complete or self.watchdog is None)
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             self.usage.completion if self.usage.seen else None, self.chunks, ok))

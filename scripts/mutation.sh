@@ -33,11 +33,17 @@ declare -A MODULE_TESTS=(
     tests/test_proxy_branches.py::test_split_stream_reaches_the_client_byte_for_byte
     tests/test_proxy_branches.py::test_usage_event_that_also_carries_choices_is_kept
     tests/test_router_proxy.py::test_stream_usage_is_stripped_unless_asked_and_still_counted"
-  [router/watchdog.py]="tests/test_router_hotpath.py::test_slow_reader_lease_ends_with_the_backend_and_its_connection_after_write_timeout
+  [router/watchdog.py]="tests/test_watchdog.py tests/test_router_hotpath.py::test_slow_reader_lease_ends_with_the_backend_and_its_connection_after_write_timeout
     tests/test_reliability_faults.py::test_stall_mid_stream_is_an_sse_error_then_done_and_aborts
     tests/test_reliability_outlier.py::test_streams_that_stall_after_good_headers_eject"
-  [router/upstream.py]="tests/test_router_h1.py tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py"
-  [router/exchange.py]="tests/test_proxy_branches.py tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py"
+  [router/upstream.py]="tests/test_router_h1.py tests/test_upstream_errors.py tests/test_proxy_branches.py
+    tests/test_router_proxy.py tests/test_router_errors.py
+    tests/test_router_health.py::test_a_local_failure_gives_no_verdict
+    tests/test_router_health.py::test_probes_carry_the_pools_backend_key
+    tests/test_router_discovery.py::test_members_join_and_leave_without_restart"
+  [router/exchange.py]="tests/test_exchange.py tests/test_upstream_errors.py tests/test_proxy_branches.py
+    tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_router_streaming.py
+    tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py"
 )
 
 if [ "$#" -gt 0 ]; then

@@ -66,6 +66,56 @@ async def test_forwarded_bytes_and_stream_keys(pair, sent, forwarded):
     assert ctype.startswith("text/event-stream")  # the raw backend streams either way
 
 
+def _in(codec: str, text: str, bom: bytes = b"") -> bytes:
+    return bom + text.encode(codec)
+
+
+_ASKED = '{"stream_options":{"include_usage":true},"stream":true,"c":"h\u00e9 \U0001f600"}'
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    # RFC 8259 8.1 wants UTF-8 between systems, but SGLang's FastAPI reads a body with json.loads(bytes), which
+    # takes UTF-16 and UTF-32 too (either byte order, with or without a byte-order mark). The usage request is
+    # spliced in the body's own encoding, byte-order mark and all: the backend reads what the client meant.
+    (_in("utf-16-le", '{"stream":true,"c":"h\u00e9 \U0001f600"}'), _in("utf-16-le", _ASKED)),
+    (_in("utf-16-be", '{"stream":true,"c":"h\u00e9 \U0001f600"}'), _in("utf-16-be", _ASKED)),
+    (_in("utf-16-le", '{"stream":true,"c":"h\u00e9 \U0001f600"}', b"\xff\xfe"),
+     _in("utf-16-le", _ASKED, b"\xff\xfe")),
+    (_in("utf-16-be", '{"stream":true,"c":"h\u00e9 \U0001f600"}', b"\xfe\xff"),
+     _in("utf-16-be", _ASKED, b"\xfe\xff")),
+    (_in("utf-32-le", '{"stream":true,"c":"h\u00e9 \U0001f600"}'), _in("utf-32-le", _ASKED)),
+    (_in("utf-32-be", '{"stream":true,"c":"h\u00e9 \U0001f600"}', b"\x00\x00\xfe\xff"),
+     _in("utf-32-be", _ASKED, b"\x00\x00\xfe\xff")),
+    # a UTF-8 byte-order mark: spliced after the brace, the mark kept
+    (b'\xef\xbb\xbf{"stream":true}', b'\xef\xbb\xbf{' + USAGE + b'"stream":true}'),
+    # stream_options without include_usage (re-serialised): back in the client's encoding too
+    (_in("utf-16-le", '{"stream":true,"stream_options":{}}', b"\xff\xfe"),
+     _in("utf-16-le", '{"stream": true, "stream_options": {"include_usage": true}}', b"\xff\xfe")),
+    (_in("utf-16-be", '{"stream":true,"stream_options":{"x":1}}'),
+     _in("utf-16-be", '{"stream": true, "stream_options": {"x": 1, "include_usage": true}}')),
+    # the first brace, in code units too
+    (_in("utf-16-le", '{"stream":true,"o":{"a":1}}'),
+     _in("utf-16-le", '{"stream_options":{"include_usage":true},"stream":true,"o":{"a":1}}')),
+    # a lone surrogate (json.loads takes it): kept as it came
+    ('{"stream":true,"c":"\ud800"}'.encode("utf-16-le", "surrogatepass"),
+     '{"stream_options":{"include_usage":true},"stream":true,"c":"\ud800"}'.encode("utf-16-le", "surrogatepass")),
+    # not streamed: untouched, whatever the encoding
+    (_in("utf-16-le", '{"stream":false}'), _in("utf-16-le", '{"stream":false}')),
+], ids=["utf16le", "utf16be", "utf16le-bom", "utf16be-bom", "utf32le", "utf32be-bom", "utf8-bom",
+        "utf16le-bom-options", "utf16be-options", "utf16le-nested", "utf16le-lone-surrogate", "utf16le-not-streamed"])
+async def test_json_in_utf16_or_utf32_keeps_its_encoding(raw_backend_factory, router_factory, sent, forwarded):
+    """A streamed body in UTF-16 or UTF-32 used to get ASCII bytes spliced between its code units (a body no
+    backend could read). Fails on with_usage before the fix (`body.index(b"{") + 1` on any encoding).
+    mutmut: _wide_codec's byte order, with_usage's text path (`rindex`, the surrogatepass handler on both
+    sides), the byte-order mark of the re-serialised body (`or True`, "XXXX")."""
+    be = await raw_backend_factory({})
+    router = await router_factory([be.url], [])
+    status, _, _ = await post(router.url, sent)
+    assert status == 200
+    assert be.requests[-1].body == forwarded
+    json.loads(be.requests[-1].body)  # what SGLang's FastAPI does with it: no error
+
+
 @pytest.mark.parametrize(("sent", "message"), [
     (b"", "request body is empty; send a JSON object"),
     (b"[1]", "request body must be a JSON object"),

@@ -1,0 +1,234 @@
+"""router.exchange seen from outside: a streamed answer's headers, what each exchange reports through the learning
+seam (`Pools.report_done` / `report_attempt`, recorded by wrapping them on a running router), its metrics, and the
+stream's endings (trailing bytes, a stall after several chunks).
+
+Raw backends write each event only after the client has read the one before, so every event is its own read
+and the counts below are exact, whatever the machine's load. Each docstring names the mutmut mutants of
+router/exchange.py it kills (`bash scripts/mutation.sh router/exchange.py`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from router.observe import Attempt, Observation
+from tests.fixtures_rawbackend import Conn, json_answer, reset_before_headers, sse, sse_body
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+STREAM = {**BODY, "stream": True}
+SETTINGS = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "retries": 0}
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def event(content: str | None = None, *, usage: dict | None = None) -> dict:
+    ev: dict = {"id": "r", "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": content}}] if content else []}
+    if usage is not None:
+        ev["usage"] = usage
+    return ev
+
+
+class Seam:
+    """Everything the router reports through Pools.report_done / report_attempt (the real ones still run)."""
+
+    def __init__(self, router) -> None:
+        pools = router.state.pools
+        self.done: list[Observation] = []
+        self.attempts: list[Attempt] = []
+        done, attempt = pools.report_done, pools.report_attempt
+
+        def report_done(backend, obs: Observation) -> None:
+            self.done.append(obs)
+            done(backend, obs)
+
+        def report_attempt(backend, att: Attempt) -> None:
+            self.attempts.append(att)
+            attempt(backend, att)
+
+        pools.report_done, pools.report_attempt = report_done, report_attempt
+
+
+def lockstep(*events: dict | str, then=None):
+    """A 200 stream: the first event at once (the router answers only once it has it), each later one as its own
+    chunk once `gate` is set (the client has read the one before)."""
+    gate = asyncio.Event()
+
+    async def act(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+        for i, e in enumerate(events):
+            if i:
+                await gate.wait()
+                gate.clear()
+            await c.write_chunked(sse_body(e))
+        if then is not None:
+            await then(c)
+        else:
+            await c.write(b"0\r\n\r\n")
+    return act, gate
+
+
+async def read_events(resp: aiohttp.ClientResponse, gate: asyncio.Event, n: int) -> bytes:
+    """Read the stream, opening the gate for the next event each time a whole one has arrived."""
+    got = b""
+    async with asyncio.timeout(20):
+        while True:
+            piece = await resp.content.readany()
+            if not piece:
+                return got
+            seen = got.count(b"\n\n")
+            got += piece
+            if seen < got.count(b"\n\n") < n + 1:
+                gate.set()
+
+
+async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_factory, router_factory):
+    """Three events, each its own read, then usage and [DONE]: one Observation with chunks 5, a ttft within the
+    exchange, ok and the usage's completion tokens; the inter-chunk gaps sum to less than the exchange took; the
+    answer carries the backend's content type, no-cache and the pool/backend headers.
+    mutmut: stream 12-16 (Cache-Control), 58-60 (`chunks` = 1 / -= / += 2), 63 (`now + t0`), 66 (`now + last`),
+    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None)."""
+    events = [event("a"), event("b"), event("c"), event(usage=USAGE), "[DONE]"]
+    act, gate = lockstep(*events)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    t0 = time.monotonic()
+    asked = {**STREAM, "stream_options": {"include_usage": True}}  # nothing stripped: every event is seen
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=asked) as r:
+        headers = r.headers
+        got = await read_events(r, gate, len(events))
+    took = time.monotonic() - t0
+    assert got == sse_body(*events)
+    assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert headers["Cache-Control"] == "no-cache"
+    assert (headers["X-Router-Pool"], headers["X-Router-Backend"]) == ("speculative", b.url)
+    (obs,) = seam.done
+    assert (obs.pool, obs.url, obs.chunks, obs.ok, obs.completion_tokens) == ("speculative", b.url, 5, True, 3)
+    assert 0 <= obs.ttft_s <= obs.duration_s <= took
+    assert (obs.inflight_at_start, obs.inflight_at_end) == (1, 1)
+    itl_sum = router.metric("router_inter_token_latency_seconds_sum", pool="speculative")
+    assert router.metric("router_inter_token_latency_seconds_count", pool="speculative") == 4
+    assert 0 <= itl_sum <= took
+    assert router.metric("router_time_to_first_token_seconds_count", pool="speculative") == 1
+    assert 0 <= router.metric("router_time_to_first_token_seconds_sum", pool="speculative") <= took
+    assert seam.attempts == [Attempt("ok", 200)]
+
+
+@pytest.mark.parametrize("body", [sse_body(event("a"), event("b")), sse_body(event("a"), final_blank_line=False)],
+                         ids=["two-events", "no-whole-event"])
+async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, router_factory, body):
+    """An answer that ends cleanly but without [DONE] was not finished by the backend (ok False), also when no
+    whole event ever came (only the tail, forwarded at the end). Regression: with no whole event forwarded (no
+    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 27 (`done_sent = True`)."""
+    b = await raw_backend_factory({CHAT: sse(body)})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM) as r:
+        assert r.status == 200 and await r.read() == body
+    (obs,) = seam.done
+    assert obs.ok is False
+
+
+async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
+    """Half an event, then silence: the idle timeout in-band, and the exchange reported failed (it was reported
+    ok before the fix, having no ttft). mutmut: stream 27 (`done_sent = True`) on the error path."""
+    async def half_then_stall(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: half_then_stall})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 0.5})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        got = await r.read()
+    assert r.status == 200 and got.endswith(b'"code": "upstream_timeout"}}\n\ndata: [DONE]\n\n')
+    (obs,) = seam.done
+    assert (obs.ok, obs.ttft_s, obs.chunks) == (False, None, 0)
+
+
+async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_backend_factory, router_factory):
+    """Two events (two reads), then silence: the idle deadline still holds after later chunks, the stream ends
+    with the in-band timeout, and the exchange is reported failed. mutmut: stream 102 (`dog.last_chunk = None`:
+    the watchdog dies on its next check and the stream hangs), 92 (end_upstream(None) on the error path),
+    39 and 41 (the watchdog given no transport / no response)."""
+    async def stall(c: Conn) -> None:
+        await asyncio.Event().wait()
+
+    act, gate = lockstep(event("a"), event("b"), then=stall)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 0.5})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        got = await read_events(r, gate, 2)
+    error = {"error": {"message": f"backend {b.url} sent no next chunk in time", "type": "timeout_error",
+                       "code": "upstream_timeout"}}
+    assert got == sse_body(event("a"), event("b")) + b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+    (obs,) = seam.done
+    assert obs.ok is False and obs.chunks == 2
+    assert seam.attempts == [Attempt("ok", 200), Attempt("idle_timeout")]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+async def test_a_last_usage_event_without_its_blank_line_is_still_scanned(raw_backend_factory, router_factory,
+                                                                        asked):
+    """The stream's tail (no final blank line) is a usage-only event: counted, and stripped unless the client
+    asked for it. mutmut: stream 108 (scan_usage(buf, None, ...)), 109 (strip None: kept when not asked)."""
+    body = sse_body(event("a"), event(usage=USAGE), final_blank_line=False)
+    b = await raw_backend_factory({CHAT: sse(body, piece=7)})
+    router = await router_factory([b.url], [], **SETTINGS)
+    req = {**STREAM, "stream_options": {"include_usage": True}} if asked else STREAM
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=req) as r:
+        got = await r.read()
+    assert got == (body if asked else sse_body(event("a")))
+    assert router.metric("router_completion_tokens_total", pool="speculative") == 3
+
+
+async def test_an_error_answer_mentioning_usage_counts_no_tokens(raw_backend_factory, router_factory):
+    """Only a 200 answer's usage is counted. mutmut: buffered 6 (`status == 200 or "usage" in body`)."""
+    answer = {"error": {"message": "bad", "type": "x", "code": 400}, "usage": USAGE}
+    b = await raw_backend_factory({CHAT: json_answer(400, answer)})
+    router = await router_factory([b.url], [], **SETTINGS)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
+        assert (r.status, await r.json()) == (400, answer)
+    assert router.metric("router_prompt_tokens_total", pool="speculative") == 0
+    assert router.metric("router_completion_tokens_total", pool="speculative") == 0
+
+
+async def test_a_retry_is_a_decision_of_its_pool_and_reports_its_own_start(raw_backend_factory, router_factory):
+    """The first backend resets before its headers; the retry goes to the other pool's backend. mutmut: _retry 8
+    (inflight_at_start None), 11 and 12 (the decision counted under no pool / no reason)."""
+    bad = await raw_backend_factory({CHAT: reset_before_headers()})
+    good = await raw_backend_factory({CHAT: json_answer(200, {"choices": [], "usage": USAGE})})
+    router = await router_factory([bad.url], [good.url], **{**SETTINGS, "retries": 1})
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY,
+                                                    headers={"X-Router-Pool": "speculative"}) as r:
+        assert r.status == 200 and r.headers["X-Router-Backend"] == good.url
+    (obs,) = seam.done
+    assert (obs.url, obs.inflight_at_start, obs.ok, obs.completion_tokens) == (good.url, 1, True, 3)
+    assert router.metric("router_route_decisions_total", pool="baseline", reason="retry") == 1
+    assert [a.kind for a in seam.attempts] == ["disconnected", "ok"]
+
+
+async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_factory, router_factory):
+    """A garbage status line is a generic upstream error; the learning seam sees it as a disconnect, never as an
+    attempt of no kind. mutmut: upstream_failed 14 and 16 (`_ATTEMPT_KIND.get(kind, None / )`)."""
+    async def garbage(c: Conn) -> None:
+        await c.write(b"SPDY/9 what\r\n\r\n")
+        await asyncio.sleep(0.5)
+
+    b = await raw_backend_factory({CHAT: garbage})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
+        assert r.status == 502
+    assert [a.kind for a in seam.attempts] == ["disconnected"]
