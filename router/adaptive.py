@@ -62,7 +62,10 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
     if obs.ttft_s is not None and obs.ttft_s > obs.duration_s:
         return None
     y = obs.duration_s / tokens
-    n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
+    # The load it ran under: the time-weighted mean when measured (at a level's ramp or drain, start and end
+    # counts of 5 and 52, or 51 and 2, stood for a request that ran with ~50 nearly all along).
+    mean = obs.inflight_mean
+    n = max(1.0, mean if mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2)
     if limit is not None and n > limit:
         # The rest waited in the queue: the server ran `limit` at its throughput X(limit), so this request's
         # duration per token is n / X(limit) and the token time at `limit` is y * limit / n.
