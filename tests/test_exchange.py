@@ -17,6 +17,8 @@ import pytest
 
 from router.observe import Attempt, Observation
 from tests.fixtures_rawbackend import Conn, json_answer, reset_before_headers, sse, sse_body
+from tests.fixtures_router import sim_stats
+from tests.test_router_hotpath import LONG_STREAM, stalled_reader
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -232,3 +234,16 @@ async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_f
     async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
         assert r.status == 502
     assert [a.kind for a in seam.attempts] == ["disconnected"]
+
+
+async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory, router_factory):
+    """The router keeps reading the backend at its pace while a client reads nothing (writes never wait for the
+    client below write_buffer_bytes): the backend finishes and the lease ends long before the 60 s write
+    timeout would cut the client. mutmut: stream 71 and 72 (the events written with aiohttp's default
+    `drain=True`: every 64 KiB the router waits for the client, so the backend waits too)."""
+    sim = await sim_factory("baseline-tp8", speedup=1000.0)
+    router = await router_factory(baseline=[sim.url], write_timeout=60.0, idle_timeout=60.0,
+                                  write_buffer_bytes=64 * 1024 * 1024)
+    async with stalled_reader(router.url, LONG_STREAM):
+        assert await router.wait_idle(within=20) == {sim.url: 0}
+        assert (await sim_stats(sim.url))["completed_total"] == 1
