@@ -247,3 +247,28 @@ async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory
     async with stalled_reader(router.url, LONG_STREAM):
         assert await router.wait_idle(within=20) == {sim.url: 0}
         assert (await sim_stats(sim.url))["completed_total"] == 1
+
+
+async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backend_factory, router_factory):
+    """Three streams in a row that stall after half an event are three consecutive failures: the backend is
+    ejected and the next request goes to the other pool. Regression: each such stream was also reported ok
+    (no ttft), a success that reset the failure streak, so the backend was never ejected."""
+    async def half_then_stall(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    spec = await raw_backend_factory({CHAT: half_then_stall})
+    base = await raw_backend_factory({})
+    router = await router_factory([spec.url], [base.url], **{**SETTINGS, "idle_timeout": 0.3, "threshold": 100,
+                                                             "eject_consecutive_errors": 3,
+                                                             "eject_trial_requests": 2, "eject_base_seconds": 60})
+    pools = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        for _ in range(4):
+            async with s.post(router.url + CHAT, json=STREAM) as r:
+                pools.append(r.headers["X-Router-Pool"])
+                await r.read()
+    assert pools == ["speculative"] * 3 + ["baseline"]
+    assert router.metric("router_backend_ejections_total", pool="speculative", backend=spec.url,
+                         reason="idle_timeout") == 1
