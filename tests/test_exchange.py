@@ -272,3 +272,38 @@ async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backe
     assert pools == ["speculative"] * 3 + ["baseline"]
     assert router.metric("router_backend_ejections_total", pool="speculative", backend=spec.url,
                          reason="idle_timeout") == 1
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    ({}, {"content-type": "application/json", "accept": "*/*"}),
+    ({"Content-Type": "application/json; charset=utf-8", "Accept": "text/event-stream"},
+     {"content-type": "application/json; charset=utf-8", "accept": "text/event-stream"}),
+])
+async def test_content_type_and_accept_are_forwarded_or_defaulted(raw_backend_factory, router_factory, sent,
+                                                                  forwarded):
+    """A client's Content-Type and Accept go to the backend as sent; missing, they default to JSON and */*.
+    The exchange is then forgotten and its duration recorded under its pool, within the time it took.
+    mutmut: upstream_headers 6, 8, 9, 12, 13 and 18-24 (the two lookups and their defaults), finish 1
+    (`exchanges.discard(None)`: every exchange kept for ever), 16 and 19 (duration under no pool / `+ t0`)."""
+    b = await raw_backend_factory({CHAT: json_answer(200, {"choices": []})})
+    router = await router_factory([b.url], [], **SETTINGS)
+    body = json.dumps(BODY).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in sent.items())
+    host, port = router.url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: r\r\n{head}Connection: close\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        async with asyncio.timeout(20):
+            answer = await reader.read()
+    finally:
+        writer.close()
+    took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    (req,) = [r for r in b.requests if r.path == CHAT]
+    assert {k: req.headers[k] for k in ("content-type", "accept")} == forwarded
+    assert "authorization" not in req.headers
+    assert router.state.exchanges == set()
+    assert router.metric("router_request_duration_seconds_count", pool="speculative") == 1
+    assert 0 <= router.metric("router_request_duration_seconds_sum", pool="speculative") <= took
