@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from router.observe import Attempt, Observation
-from tests.fixtures_rawbackend import Conn, json_answer, reset_before_headers, sse, sse_body
+from tests.fixtures_rawbackend import Conn, headers_then, json_answer, reset_before_headers, sse, sse_body
 from tests.fixtures_router import sim_stats
 from tests.test_router_hotpath import LONG_STREAM, stalled_reader
 
@@ -307,3 +307,55 @@ async def test_content_type_and_accept_are_forwarded_or_defaulted(raw_backend_fa
     assert router.state.exchanges == set()
     assert router.metric("router_request_duration_seconds_count", pool="speculative") == 1
     assert 0 <= router.metric("router_request_duration_seconds_sum", pool="speculative") <= took
+
+
+@pytest.mark.parametrize("first", ["503", "closed-after-headers"])
+async def test_a_retried_response_gives_its_connection_back(raw_backend_factory, router_factory, first):
+    """With one connection allowed to all backends together, the retry after a 503 or a stream closed after
+    its headers can only be sent if the failed response was closed first. mutmut: start 43 and 77
+    (`_retry(None)`: the failed response keeps the only connection, the retry waits until the first-byte
+    deadline)."""
+    fail = (json_answer(503, {"error": {"message": "busy"}}) if first == "503"
+            else headers_then("close", stream=True))
+    bad = await raw_backend_factory({CHAT: fail})
+    good = await raw_backend_factory({})
+    router = await router_factory([bad.url], [good.url], **{**SETTINGS, "retries": 1, "max_connections": 1,
+                                                            "first_byte_timeout": 10.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        assert (r.status, r.headers["X-Router-Backend"]) == (200, good.url)
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+    assert (bad.chat_hits(), good.chat_hits()) == (1, 1)
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2, 3])
+async def test_retry_budget_when_every_stream_dies_after_its_headers(raw_backend_factory, router_factory,
+                                                                     retries):
+    """Four backends whose streams all close after their headers: exactly 1 + retries attempts, then 502.
+    mutmut: start 78-80 (`attempts` = 1, -= 1, += 2 in the after-headers retry path)."""
+    backends = [await raw_backend_factory({CHAT: headers_then("close", stream=True)}) for _ in range(4)]
+    router = await router_factory([b.url for b in backends[:2]], [b.url for b in backends[2:]],
+                                  **{**SETTINGS, "retries": retries})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        assert r.status == 502
+        assert (await r.json())["error"]["code"] == "backend_disconnected"
+    assert sum(b.chat_hits() for b in backends) == 1 + retries
+
+
+@pytest.mark.parametrize(("stream", "answer"), [
+    (True, json_answer(400, {"error": {"message": "bad", "type": "x", "code": 400}})),
+    (True, json_answer(200, {"choices": []})),
+    (False, sse(sse_body(event("a"), "[DONE]"))),
+])
+async def test_only_a_200_event_stream_for_a_streamed_request_is_streamed(raw_backend_factory, router_factory,
+                                                                          stream, answer):
+    """Anything else (an error for a streamed request, a JSON 200 for it, an event stream nobody asked for)
+    is answered whole: with its Content-Length and without the stream's Cache-Control. mutmut: start 57 and 58
+    (the `sse` condition's `and` -> `or`)."""
+    b = await raw_backend_factory({CHAT: answer})
+    router = await router_factory([b.url], [], **SETTINGS)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM if stream else BODY) as r:
+        got = await r.read()
+        assert int(r.headers["Content-Length"]) == len(got) > 0
+        assert "Cache-Control" not in r.headers
