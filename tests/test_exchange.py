@@ -17,7 +17,7 @@ import pytest
 
 from router.observe import Attempt, Observation
 from tests.fixtures_rawbackend import Conn, headers_then, json_answer, reset_before_headers, sse, sse_body
-from tests.fixtures_router import sim_stats
+from tests.fixtures_router import poll, sim_stats
 from tests.test_router_hotpath import LONG_STREAM, stalled_reader
 
 CHAT = "/v1/chat/completions"
@@ -359,3 +359,38 @@ async def test_only_a_200_event_stream_for_a_streamed_request_is_streamed(raw_ba
         got = await r.read()
         assert int(r.headers["Content-Length"]) == len(got) > 0
         assert "Cache-Control" not in r.headers
+
+
+async def test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503(raw_backend_factory,
+                                                                                  router_factory):
+    """Shutdown while the backend has not answered: at the drain deadline the client gets the router's 503
+    document with the pool headers, counted as a 503. mutmut: proxy 84-93 (the error None / its message, the
+    code recorded, the response without the error or the headers)."""
+    async def hang(c: Conn) -> None:
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: hang})
+    router = await router_factory([b.url], [], **{**SETTINGS, "drain_timeout": 0.3, "first_byte_timeout": 30.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        pending = asyncio.ensure_future(s.post(router.url + CHAT, json=BODY))
+        assert await poll(lambda: b.chat_hits() == 1, 10)
+        await router.close()
+        r = await pending
+        assert (r.status, await r.json()) == (503, {"error": {
+            "message": "the router is shutting down; retry the request", "type": "service_unavailable",
+            "code": "router_shutting_down"}})
+        assert (r.headers["X-Router-Pool"], r.headers["X-Router-Backend"]) == ("speculative", b.url)
+        r.release()
+    assert router.metric("router_requests_total", pool="speculative", backend=b.url, code="503") == 1
+
+
+async def test_a_bad_pool_pin_names_the_pools(raw_backend_factory, router_factory):
+    """mutmut: pinned_pool 12 (the pools joined with another separator in the message)."""
+    b = await raw_backend_factory({})
+    router = await router_factory([b.url], [], **SETTINGS)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY,
+                                                    headers={"X-Router-Pool": "fast"}) as r:
+        assert (r.status, await r.json()) == (400, {"error": {
+            "message": "X-Router-Pool must be one of speculative, baseline", "type": "invalid_request_error",
+            "code": "invalid_pool"}})
+    assert b.chat_hits() == 0
