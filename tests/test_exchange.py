@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
@@ -89,12 +90,13 @@ async def read_events(resp: aiohttp.ClientResponse, gate: asyncio.Event, n: int)
                 gate.set()
 
 
-async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_factory, router_factory):
+async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_factory, router_factory, caplog):
     """Three events, each its own read, then usage and [DONE]: one Observation with chunks 5, a ttft within the
     exchange, ok and the usage's completion tokens; the inter-chunk gaps sum to less than the exchange took; the
     answer carries the backend's content type, no-cache and the pool/backend headers.
     mutmut: stream 12-16 (Cache-Control), 58-60 (`chunks` = 1 / -= / += 2), 63 (`now + t0`), 66 (`now + last`),
-    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None)."""
+    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None), 115-118 (flush called
+    with no writer or transport: an error after the answer went out)."""
     events = [event("a"), event("b"), event("c"), event(usage=USAGE), "[DONE]"]
     act, gate = lockstep(*events)
     b = await raw_backend_factory({CHAT: act})
@@ -120,6 +122,8 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     assert router.metric("router_time_to_first_token_seconds_count", pool="speculative") == 1
     assert 0 <= router.metric("router_time_to_first_token_seconds_sum", pool="speculative") <= took
     assert seam.attempts == [Attempt("ok", 200)]
+    # Nothing failed after the answer went out (the final flush included).
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("body", [sse_body(event("a"), event("b")), sse_body(event("a"), final_blank_line=False)],
@@ -135,6 +139,7 @@ async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, route
         assert r.status == 200 and await r.read() == body
     (obs,) = seam.done
     assert obs.ok is False
+    assert obs.completion_tokens is None  # no usage came: none reported, not 0 (end_upstream 34)
 
 
 async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
