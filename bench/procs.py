@@ -15,6 +15,20 @@ from dataclasses import dataclass, field
 LISTEN_RE = re.compile(r"^listening on (http://\S+)\s*$")
 
 
+def terminate(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
+    """SIGTERM, wait `grace` seconds, then SIGKILL. Only this child's PID is signalled."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    return proc.returncode
+
+
 class ProcError(Exception):
     """A child server did not come up; the message says which and why, in one line."""
 
@@ -37,15 +51,7 @@ class Proc:
 
     def stop(self, grace: float = 5.0) -> int | None:
         """SIGTERM, wait `grace` seconds, then SIGKILL. Only this child's PID is signalled."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        terminate(self.proc, grace)
         for t in self._readers:  # each reader closes its pipe at EOF
             t.join(2.0)
         return self.proc.returncode

@@ -27,7 +27,13 @@ MIN_POOL_SAMPLES = 3
 # Exploration never picks a backend whose score is below this fraction of the best one's.
 EXPLORE_FLOOR = 0.7
 # A relative change of the reported accept length beyond this rescales the model at once.
-ACCEPT_JUMP = 0.08
+# The reported accept length is a window average that moves by 5-10% with the mix of the last steps' requests
+# (other clients' traffic included): only a larger move, seen on ACCEPT_POLLS polls in a row, is a change of
+# tokens per step (a drafter swap, a prompt-mix shift: 2.6 -> 1.6 is 38%). Smaller real changes are left to
+# the timings, which forgetting follows. At 8% and one poll, a compare run rescaled the models back and forth
+# while samples kept coming in, and each round trip left them a few percent off (5x after a few minutes).
+ACCEPT_JUMP = 0.2
+ACCEPT_POLLS = 2
 # Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
 # where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
 # band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
@@ -35,25 +41,36 @@ ACCEPT_JUMP = 0.08
 LOW_LOAD = 3
 LOW_LOAD_SAMPLES = 5
 LOW_LOAD_EXPLORE = 0.5
+# objective "latency": per-request speeds closer than this are a tie the models cannot call (their error is a
+# few percent), and the tie goes to the pool that gains more throughput from the request. At 2 clients on the
+# seed pair the speculative server alone and the baseline with two differ by 1.3% per request while one each
+# serves 7% more than both on the baseline: a model 2% off would otherwise pick either at random.
+NEAR_TIE = 0.03
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
-    """What one finished exchange says of its server: (n running, seconds per token per request while it
-    decoded), or None when it says nothing usable. `limit`: the server's max_running_requests, if known."""
+    """What one finished exchange says of its server: (n running, seconds per token per request), or None
+    when it says nothing usable. `limit`: the server's max_running_requests, if known.
+
+    The whole duration counts, time to first token included: what the router maximises is closed-loop
+    throughput, X = n * tokens / duration (Little's law), so a server slower to start a request (prefill,
+    another request's prefill stalling the batch, a queue) is slower for it. Decode time alone made the
+    speculative model a few percent optimistic against the curves `balanced` routes on."""
     tokens = obs.completion_tokens
     if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
         return None
-    if obs.ttft_s is not None and obs.chunks >= 2:
-        # After the first chunk only decoding is left: queueing and prefill stay out of the sample.
-        decode = obs.duration_s - obs.ttft_s
-        y = decode / (tokens * (obs.chunks - 1) / obs.chunks)
-    else:
-        y = obs.duration_s / tokens
-    if y <= 0:
+    if obs.ttft_s is not None and obs.ttft_s > obs.duration_s:
         return None
-    n = max(1.0, (obs.inflight_at_start + obs.inflight_at_end) / 2)
-    if limit is not None:
-        n = min(n, float(limit))  # the rest waited in the queue: they did not slow the decode
+    y = obs.duration_s / tokens
+    # The load it ran under: the time-weighted mean when measured (at a level's ramp or drain, start and end
+    # counts of 5 and 52, or 51 and 2, stood for a request that ran with ~50 nearly all along).
+    mean = obs.inflight_mean
+    n = max(1.0, mean if mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2)
+    if limit is not None and n > limit:
+        # The rest waited in the queue: the server ran `limit` at its throughput X(limit), so this request's
+        # duration per token is n / X(limit) and the token time at `limit` is y * limit / n.
+        y *= limit / n
+        n = float(limit)
     return n, y
 
 
@@ -62,8 +79,8 @@ class Adaptive:
 
     objective "throughput": the backend whose throughput gains most from one more request (equal marginal
     gains across pools is the system optimum); "latency": the backend where this request would be fastest
-    (the balanced policy's rule). The models feed on finished exchanges (report_done) and, with load_signal
-    backend, on /v1/loads figures. Routing uses a published copy of each model that moves only when the fit
+    (the balanced policy's rule), and within NEAR_TIE of a tie the one that gains more throughput from it. The models feed on finished exchanges (report_done); with load_signal
+    backend, /v1/loads sets the queue limit and rescales them when the accept length moves. Routing uses a published copy of each model that moves only when the fit
     moved by more than `deadband`, so noise cannot flip decisions back and forth."""
 
     name = "adaptive"
@@ -82,8 +99,8 @@ class Adaptive:
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
         self.accept: dict[str, float] = {}  # accept length each backend last reported
-        self.running: dict[str, int] = {}  # running requests each backend last reported
-        self.samples: dict[tuple[str, str], int] = {}  # (pool, source) -> samples folded in
+        self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
+        self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
@@ -115,12 +132,11 @@ class Adaptive:
             return Params(src.alpha, src.beta, pm.max_running)
         return self.published[b.pool]
 
-    def _fold(self, pool: str, url: str, n: float, y: float, source: str) -> None:
+    def _fold(self, pool: str, url: str, n: float, y: float) -> None:
         for key in (url, pool):
             m = self.model(key, pool)
             m.update(n, y)
             self._publish(key, m, n)
-        self.samples[(pool, source)] = self.samples.get((pool, source), 0) + 1
         self.last_seen[pool] = self.decisions
 
     def _publish(self, key: str, m: SpeedModel, n: float) -> None:
@@ -135,14 +151,14 @@ class Adaptive:
             self.published[key] = new
 
     def observe(self, obs: Observation) -> None:
-        """One finished exchange: seconds per token while it decoded, against the requests running then."""
+        """One finished exchange: its seconds per token, against the requests running then."""
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
         if got is not None:
-            self._fold(obs.pool, obs.url, got[0], got[1], "request")
+            self._fold(obs.pool, obs.url, got[0], got[1])
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
-        """One /v1/loads answer of a backend: the server's own throughput at its own running count."""
+        """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
         limit = figs.max_running if self.max_running is None else self.max_running
         for key in (url, pool):
             m = self.model(key, pool)
@@ -150,30 +166,41 @@ class Adaptive:
                 m.max_running = limit
                 self._publish(key, m, 1.0)
         if figs.accept_length is not None and figs.accept_length > 0:
-            before = self.accept.get(url)
             self.accept[url] = figs.accept_length
-            if before is not None and abs(figs.accept_length - before) > ACCEPT_JUMP * before:
+            # Against the accept length the model was last scaled at, not the last one reported: a figure that
+            # jitters (a window average; idle and busy report differently) must not walk the model away in
+            # sub-threshold steps, and A -> B -> A must come back to exactly where it was. Compared with the
+            # last report instead, a compare run walked both models 5x off within minutes.
+            anchor = self.anchor.get(url)
+            if anchor is None:
+                self.anchor[url] = figs.accept_length
+            elif abs(figs.accept_length - anchor) <= ACCEPT_JUMP * anchor:
+                self.beyond[url] = 0
+            elif self.beyond.get(url, 0) + 1 < ACCEPT_POLLS:
+                self.beyond[url] = self.beyond.get(url, 0) + 1
+            else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
+                self.anchor[url], self.beyond[url] = figs.accept_length, 0
                 for key in (url, pool):
                     m = self.model(key, pool)
-                    m.rescale(before / figs.accept_length)
+                    m.rescale(anchor / figs.accept_length)
                     self.published[key] = m.params()
-        before_running = self.running.get(url)
-        self.running[url] = figs.running
-        # gen_throughput is an average over a past window: it matches the running count only when that count
-        # held still (one poll to the next); right after a change it would say the server is slower than it is.
-        if (figs.running >= 1 and figs.running == before_running and figs.gen_throughput is not None
-                and figs.gen_throughput > 0):
-            self._fold(pool, url, float(figs.running), figs.running / figs.gen_throughput, "loads")
+        # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
+        # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
+        # the steps other requests' prefills take, are not in it), and its clock need not be the router's (a
+        # simulator at --speedup K reports simulated tok/s). A ratio learned against the router's timings
+        # drifted with the model it was checked against: the seed speculative server was judged 1.8x faster
+        # alone than it is. The router's own timings are the samples; /v1/loads gives the running counts (the
+        # load signal), max_running_requests (the queue) and the accept length (a drift, at once).
 
     # ---- decisions
     def score(self, b: BackendView) -> tuple[float, float]:
         p, n = self.params(b), b.load_estimate
-        speed = p.request_speed(n)
+        speed, gain = p.request_speed(n), p.marginal_gain(n)
         if self.objective == "latency":
-            return speed, 0.0
+            return speed, gain
         # Once every candidate queues, marginal gains are all 0: the per-request speed splits the queue.
-        return p.marginal_gain(n), speed
+        return gain, speed
 
     def _samples(self, pool: str) -> int:
         m = self.models.get(pool)
@@ -197,6 +224,9 @@ class Adaptive:
         if s_score == b_score:
             # A tie (in practice: nothing learned yet) goes to the less measured pool, then to speculative.
             spec_first = self._samples(SPECULATIVE) <= self._samples(BASELINE)
+        elif (self.objective == "latency" and s_score[1] != b_score[1]
+              and abs(s_score[0] - b_score[0]) <= NEAR_TIE * max(s_score[0], b_score[0])):
+            spec_first = s_score[1] > b_score[1]
         else:
             spec_first = s_score > b_score
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
@@ -243,8 +273,7 @@ class Adaptive:
             if not members:
                 continue
             pools[pool] = describe(pool, pool) | {
-                "predicted_tok_s": round(self.predicted(members), 1),
-                "samples_by_source": {src: self.samples.get((pool, src), 0) for src in ("request", "loads")}}
+                "predicted_tok_s": round(self.predicted(members), 1)}
         backends = [describe(b.url, b.pool) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),

@@ -305,7 +305,7 @@ class Exchange:
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            self.usage.completion if self.usage.seen else None, self.chunks, ok))
+            self.usage.completion if self.usage.seen else None, self.chunks, ok, self.lease.mean_inflight()))
         self.lease.release()
         self.give_slot()
         if self.upstream is not None:

@@ -38,6 +38,9 @@ class Observation:
     completion_tokens: int | None
     chunks: int
     ok: bool
+    # The backend's mean in-flight count over the exchange (time-weighted, this request included); None when
+    # not measured. Start and end counts misstate the load of a request that ran while it ramped or drained.
+    inflight_mean: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

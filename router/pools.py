@@ -25,11 +25,14 @@ _IN = (UP, outlier.TRIAL)  # router_backend_up reads 1 in these
 EJECT_REASONS: tuple[str, ...] = ("5xx", *(k for k in ATTEMPT_KINDS if k not in (OK, LOCAL)))
 
 
+clock = time.monotonic  # the in-flight integral's clock (a test sets its own)
+
+
 class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
-                 "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained")
+                 "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -42,6 +45,11 @@ class Backend:
         self.fails = 0
         self.successes = 0
         self._inflight = 0
+        # Request-seconds in flight up to _area_at (the integral of the in-flight count over time): what a lease
+        # reads to know the mean load its request ran under, which its start and end counts alone misstate
+        # whenever the load ramps up or drains during it.
+        self._area = 0.0
+        self._area_at = clock()
         self.reported: int | None = None  # running + waiting the backend itself last reported
         self._inflight_at_report = 0
         self.outlier = OutlierState()  # passive ejection, driven by Pools.report_attempt
@@ -69,11 +77,22 @@ class Backend:
             return self._inflight
         return max(self._inflight, self.reported + self._inflight - self._inflight_at_report)
 
+    def area(self, now: float) -> float:
+        """Request-seconds in flight from the backend's start until `now`."""
+        return self._area + self._inflight * (now - self._area_at)
+
+    def _tick(self, now: float) -> None:
+        self._area = self.area(now)
+        self._area_at = now
+
     def lease(self) -> Lease:
+        now = clock()
+        self._tick(now)
         self._inflight += 1
-        return Lease(self)
+        return Lease(self, now)
 
     def _release(self) -> None:
+        self._tick(clock())
         self._inflight -= 1
         if self._inflight < 0:
             # Leases release once, so this is an accounting bug: say so (tests fail on this line's log record),
@@ -123,11 +142,19 @@ class Backend:
 class Lease:
     """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
 
-    __slots__ = ("backend", "_released")
+    __slots__ = ("backend", "_released", "_t0", "_area0")
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, now: float) -> None:
         self.backend = backend
         self._released = False
+        self._t0, self._area0 = now, backend.area(now)
+
+    def mean_inflight(self) -> float:
+        """The backend's mean in-flight count (this request included) since the lease was taken."""
+        now = clock()
+        if now <= self._t0:
+            return float(self.backend.inflight)
+        return (self.backend.area(now) - self._area0) / (now - self._t0)
 
     @property
     def released(self) -> bool:

@@ -9,14 +9,21 @@ from dataclasses import dataclass
 NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
 MIN_ALPHA = 1e-5
 N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its scale
-WINDOW = 256  # samples kept; older ones have faded anyway (0.99^256 < 8%)
-REFIT_EVERY = 4  # once warm, refit every few samples: the fit costs ~0.2 ms, the hot path must not pay it each time
+# Samples kept per load band: a band the traffic has left keeps its samples (faded by age, so a drift is
+# followed where the traffic is) until traffic comes back. With one window for all, 256 samples at 250 clients
+# pushed every light-load sample out, the slope was no longer identified, and the next quiet level was routed
+# on a neutral guess of it.
+BAND_WINDOW = 128
+# Once warm, refit every REFIT_EVERY samples, or every held/REFIT_SHARE when more are held: a fit costs ~6 us
+# per sample held (5.8 ms at 896), and the event loop must not pay that per request (<= ~0.2 ms amortised).
+REFIT_EVERY = 4
+REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (n running in
 # [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
 # with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
-BAND_SHRINK = 3.0
+BAND_SHRINK = 5.0
 
 
 def band(n: float) -> int:
@@ -62,13 +69,13 @@ class Params:
 
 
 class SpeedModel:
-    """Weighted least squares of y = alpha + beta*n over the last WINDOW samples (n running, y seconds per
-    token per request), on relative errors (a request at high load weighs as much as one alone), with
-    weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
+    """Weighted least squares of y = alpha + beta*n over the last BAND_WINDOW samples of each load band (n
+    running, y seconds per token per request), on relative errors (a request at high load weighs as much as
+    one alone), with weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
     requests and hiccups do not drag the fit (refitted a few times from the last fit: IRLS). A prior
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
-    __slots__ = ("forgetting", "theta", "prior", "prior_weight", "buf", "samples", "err", "scale", "max_running",
+    __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
                  "last_error", "_since_fit", "shape", "counts")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
@@ -77,7 +84,7 @@ class SpeedModel:
         self.prior = prior
         self.prior_weight = prior_weight
         self.theta = list(prior if prior is not None else NEUTRAL)
-        self.buf: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self.bands: dict[int, deque[tuple[float, float, int]]] = {}  # load band -> its latest (n, y, sample no.)
         self.samples = 0
         self.err = 0.0  # EWMA of |relative error| of the prediction made before each sample
         self.last_error = 0.0
@@ -90,6 +97,10 @@ class SpeedModel:
     def params(self) -> Params:
         a, b = self.theta
         return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running, self.shape)
+
+    def held(self) -> int:
+        """Samples held over all load bands."""
+        return sum(len(b) for b in self.bands.values())
 
     def band_samples(self, n: float) -> int:
         """Samples the model holds at about n running (n's load band)."""
@@ -107,19 +118,27 @@ class SpeedModel:
         self.last_error = rel
         gain = 0.05 if self.samples >= 20 else 1.0 / (self.samples + 1)
         self.err += gain * (min(rel, 1.0) - self.err)
-        self.buf.append((float(n), y))
+        held = self.bands.get(band(n))
+        if held is None:
+            held = self.bands[band(n)] = deque(maxlen=BAND_WINDOW)
+        held.append((float(n), y, self.samples))
         self.samples += 1
         self._since_fit += 1
-        if self.samples <= 32 or self._since_fit >= REFIT_EVERY:
+        if self.samples <= 32 or self._since_fit >= max(REFIT_EVERY, self.held() // REFIT_SHARE):
             self.fit()
         return rel
 
     def fit(self) -> None:
         self._since_fit = 0
-        data = list(self.buf)
-        m = len(data)
         lam = self.forgetting
-        ages = [lam ** (m - 1 - i) for i in range(m)]
+        data: list[tuple[float, float]] = []
+        ages: list[float] = []
+        last = self.samples - 1
+        for held in self.bands.values():
+            for n, y, no in held:
+                data.append((n, y))
+                ages.append(lam ** (last - no))
+        m = len(data)
         a, b = self.theta
         for _ in range(3):
             preds = [max(a + b * n, MIN_ALPHA) for n, _ in data]
@@ -178,7 +197,11 @@ class SpeedModel:
 
     def _fit_shape(self, data, ages, a, b, s) -> None:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
-        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK."""
+        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK
+        samples against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That count does not
+        fall when all of a band's samples fade alike: a band the traffic left long ago keeps its correction
+        instead of falling back on the line, which the busy band alone now sets (shrinking by the faded
+        weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
         acc: dict[int, list[float]] = {}
         counts: dict[int, int] = {}
@@ -186,26 +209,34 @@ class SpeedModel:
         for (n, y), age in zip(data, ages, strict=True):
             k = band(n)
             r = min(max(y / (a + b * n) - 1.0, -lim), lim)
-            got = acc.setdefault(k, [0.0, 0.0])
+            got = acc.setdefault(k, [0.0, 0.0, 0.0])
             got[0] += age
             got[1] += age * r
+            got[2] += age * age
             counts[k] = counts.get(k, 0) + 1
         self.counts = counts
-        self.shape = tuple((k, 1.0 + sr / (w + BAND_SHRINK)) for k, (w, sr) in sorted(acc.items()))
+        shape = []
+        for k, (w, sr, w2) in sorted(acc.items()):
+            if w > 0 and w2 > 0:
+                eff = w * w / w2
+                shape.append((k, 1.0 + (sr / w) * eff / (eff + BAND_SHRINK)))
+        self.shape = tuple(shape)
 
     def rescale(self, factor: float) -> None:
         """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples
         held included, so the next fit starts from the new level rather than averaging the old one in."""
         if factor > 0 and factor != 1.0:
             self.theta = [self.theta[0] * factor, self.theta[1] * factor]
-            self.buf = deque(((n, y * factor) for n, y in self.buf), maxlen=WINDOW)
+            self.bands = {k: deque(((n, y * factor, no) for n, y, no in held), maxlen=BAND_WINDOW)
+                          for k, held in self.bands.items()}
             if self.prior is not None:
                 self.prior = (self.prior[0] * factor, self.prior[1] * factor)
 
     def noise(self) -> float:
         """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
         lam = self.forgetting
-        eff = min(len(self.buf), (1 + lam) / (1 - lam) if lam < 1 else WINDOW)
+        held = self.held()
+        eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
 
     def update_throughput(self, running: int, tok_s: float, weight: float = 1.0) -> float:

@@ -8,8 +8,10 @@ import random
 import time
 from collections import Counter
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from router import pools as pools_mod
 from router.adaptive import Adaptive
 from router.metrics import Metrics
 from router.observe import OK, REFUSED, Attempt, LoadFigures, Observation
@@ -364,3 +366,26 @@ def test_load_reports_reach_the_adaptive_policy_per_backend():
     p = pools(policy=Adaptive(explore=0.0))
     p.report_loads(p.by_url[S1], LoadFigures(1, 0, 100.0, 2.5, 16))
     assert p.policy.accept_length(p.view.speculative) == 2.5
+
+
+def test_a_lease_knows_the_mean_load_its_request_ran_under(monkeypatch):
+    """The time-weighted in-flight count over a lease, on a clock the test sets: 1 s alone, 8 s with 9 more,
+    1 s alone again -> (1 + 80 + 1) / 10 = 8.2, where the start and end counts (1 and 1) say 1. Fails if the
+    integral misses a change (a lease or release that does not tick) or counts the wrong interval."""
+    now = [100.0]
+    monkeypatch.setattr(pools_mod, "clock", lambda: now[0])
+    b = Pools(["http://s:1"], [], policy="spillover").backends[0]
+    first = b.lease()
+    now[0] += 1.0
+    others = [b.lease() for _ in range(9)]
+    now[0] += 8.0
+    for lease in others:
+        lease.release()
+    now[0] += 1.0
+    assert first.mean_inflight() == pytest.approx(8.2)
+    assert b.inflight == 1
+    later = b.lease()  # taken now: its own mean so far is the count it joined
+    assert later.mean_inflight() == 2
+    first.release()
+    later.release()
+    assert b.inflight == 0
