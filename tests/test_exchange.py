@@ -257,7 +257,8 @@ async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory
 async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backend_factory, router_factory):
     """Three streams in a row that stall after half an event are three consecutive failures: the backend is
     ejected and the next request goes to the other pool. Regression: each such stream was also reported ok
-    (no ttft), a success that reset the failure streak, so the backend was never ejected."""
+    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 27
+    (`done_sent = True`: the same wrong success, from the other side)."""
     async def half_then_stall(c: Conn) -> None:
         await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         await c.write_chunked(b'data: {"id":')
