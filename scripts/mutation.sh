@@ -43,7 +43,8 @@ declare -A MODULE_TESTS=(
     tests/test_router_discovery.py::test_members_join_and_leave_without_restart"
   [router/exchange.py]="tests/test_exchange.py tests/test_upstream_errors.py tests/test_proxy_branches.py
     tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_router_streaming.py
-    tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py"
+    tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py
+    tests/test_router_body.py::test_a_stalled_upload_is_408_with_the_deadline_named"
 )
 
 if [ "$#" -gt 0 ]; then

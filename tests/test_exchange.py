@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import aiohttp
 import pytest
 
 from router.observe import Attempt, Observation
-from tests.fixtures_rawbackend import Conn, json_answer, reset_before_headers, sse, sse_body
+from tests.fixtures_rawbackend import Conn, headers_then, json_answer, reset_before_headers, sse, sse_body
+from tests.fixtures_router import poll, sim_stats
+from tests.test_router_hotpath import LONG_STREAM, stalled_reader
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -87,12 +90,13 @@ async def read_events(resp: aiohttp.ClientResponse, gate: asyncio.Event, n: int)
                 gate.set()
 
 
-async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_factory, router_factory):
+async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_factory, router_factory, caplog):
     """Three events, each its own read, then usage and [DONE]: one Observation with chunks 5, a ttft within the
     exchange, ok and the usage's completion tokens; the inter-chunk gaps sum to less than the exchange took; the
     answer carries the backend's content type, no-cache and the pool/backend headers.
     mutmut: stream 12-16 (Cache-Control), 58-60 (`chunks` = 1 / -= / += 2), 63 (`now + t0`), 66 (`now + last`),
-    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None)."""
+    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None), 115-118 (flush called
+    with no writer or transport: an error after the answer went out)."""
     events = [event("a"), event("b"), event("c"), event(usage=USAGE), "[DONE]"]
     act, gate = lockstep(*events)
     b = await raw_backend_factory({CHAT: act})
@@ -118,6 +122,8 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     assert router.metric("router_time_to_first_token_seconds_count", pool="speculative") == 1
     assert 0 <= router.metric("router_time_to_first_token_seconds_sum", pool="speculative") <= took
     assert seam.attempts == [Attempt("ok", 200)]
+    # Nothing failed after the answer went out (the final flush included).
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("body", [sse_body(event("a"), event("b")), sse_body(event("a"), final_blank_line=False)],
@@ -133,6 +139,7 @@ async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, route
         assert r.status == 200 and await r.read() == body
     (obs,) = seam.done
     assert obs.ok is False
+    assert obs.completion_tokens is None  # no usage came: none reported, not 0 (end_upstream 34)
 
 
 async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
@@ -232,3 +239,164 @@ async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_f
     async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
         assert r.status == 502
     assert [a.kind for a in seam.attempts] == ["disconnected"]
+
+
+async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory, router_factory):
+    """The router keeps reading the backend at its pace while a client reads nothing (writes never wait for the
+    client below write_buffer_bytes): the backend finishes and the lease ends long before the 60 s write
+    timeout would cut the client. mutmut: stream 71 and 72 (the events written with aiohttp's default
+    `drain=True`: every 64 KiB the router waits for the client, so the backend waits too)."""
+    sim = await sim_factory("baseline-tp8", speedup=1000.0)
+    router = await router_factory(baseline=[sim.url], write_timeout=60.0, idle_timeout=60.0,
+                                  write_buffer_bytes=64 * 1024 * 1024)
+    async with stalled_reader(router.url, LONG_STREAM):
+        assert await router.wait_idle(within=20) == {sim.url: 0}
+        assert (await sim_stats(sim.url))["completed_total"] == 1
+
+
+async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backend_factory, router_factory):
+    """Three streams in a row that stall after half an event are three consecutive failures: the backend is
+    ejected and the next request goes to the other pool. Regression: each such stream was also reported ok
+    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 27
+    (`done_sent = True`: the same wrong success, from the other side)."""
+    async def half_then_stall(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    spec = await raw_backend_factory({CHAT: half_then_stall})
+    base = await raw_backend_factory({})
+    router = await router_factory([spec.url], [base.url], **{**SETTINGS, "idle_timeout": 0.3, "threshold": 100,
+                                                             "eject_consecutive_errors": 3,
+                                                             "eject_trial_requests": 2, "eject_base_seconds": 60})
+    pools = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        for _ in range(4):
+            async with s.post(router.url + CHAT, json=STREAM) as r:
+                pools.append(r.headers["X-Router-Pool"])
+                await r.read()
+    assert pools == ["speculative"] * 3 + ["baseline"]
+    assert router.metric("router_backend_ejections_total", pool="speculative", backend=spec.url,
+                         reason="idle_timeout") == 1
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    ({}, {"content-type": "application/json", "accept": "*/*"}),
+    ({"Content-Type": "application/json; charset=utf-8", "Accept": "text/event-stream"},
+     {"content-type": "application/json; charset=utf-8", "accept": "text/event-stream"}),
+])
+async def test_content_type_and_accept_are_forwarded_or_defaulted(raw_backend_factory, router_factory, sent,
+                                                                  forwarded):
+    """A client's Content-Type and Accept go to the backend as sent; missing, they default to JSON and */*.
+    The exchange is then forgotten and its duration recorded under its pool, within the time it took.
+    mutmut: upstream_headers 6, 8, 9, 12, 13 and 18-24 (the two lookups and their defaults), finish 1
+    (`exchanges.discard(None)`: every exchange kept for ever), 16 and 19 (duration under no pool / `+ t0`)."""
+    b = await raw_backend_factory({CHAT: json_answer(200, {"choices": []})})
+    router = await router_factory([b.url], [], **SETTINGS)
+    body = json.dumps(BODY).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in sent.items())
+    host, port = router.url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST {CHAT} HTTP/1.1\r\nHost: r\r\n{head}Connection: close\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        async with asyncio.timeout(20):
+            answer = await reader.read()
+    finally:
+        writer.close()
+    took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    (req,) = [r for r in b.requests if r.path == CHAT]
+    assert {k: req.headers[k] for k in ("content-type", "accept")} == forwarded
+    assert "authorization" not in req.headers
+    assert router.state.exchanges == set()
+    assert router.metric("router_request_duration_seconds_count", pool="speculative") == 1
+    assert 0 <= router.metric("router_request_duration_seconds_sum", pool="speculative") <= took
+
+
+@pytest.mark.parametrize("first", ["503", "closed-after-headers"])
+async def test_a_retried_response_gives_its_connection_back(raw_backend_factory, router_factory, first):
+    """With one connection allowed to all backends together, the retry after a 503 or a stream closed after
+    its headers can only be sent if the failed response was closed first. mutmut: start 43 and 77
+    (`_retry(None)`: the failed response keeps the only connection, the retry waits until the first-byte
+    deadline)."""
+    fail = (json_answer(503, {"error": {"message": "busy"}}) if first == "503"
+            else headers_then("close", stream=True))
+    bad = await raw_backend_factory({CHAT: fail})
+    good = await raw_backend_factory({})
+    router = await router_factory([bad.url], [good.url], **{**SETTINGS, "retries": 1, "max_connections": 1,
+                                                            "first_byte_timeout": 10.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        assert (r.status, r.headers["X-Router-Backend"]) == (200, good.url)
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+    assert (bad.chat_hits(), good.chat_hits()) == (1, 1)
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2, 3])
+async def test_retry_budget_when_every_stream_dies_after_its_headers(raw_backend_factory, router_factory,
+                                                                     retries):
+    """Four backends whose streams all close after their headers: exactly 1 + retries attempts, then 502.
+    mutmut: start 78-80 (`attempts` = 1, -= 1, += 2 in the after-headers retry path)."""
+    backends = [await raw_backend_factory({CHAT: headers_then("close", stream=True)}) for _ in range(4)]
+    router = await router_factory([b.url for b in backends[:2]], [b.url for b in backends[2:]],
+                                  **{**SETTINGS, "retries": retries})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        assert r.status == 502
+        assert (await r.json())["error"]["code"] == "backend_disconnected"
+    assert sum(b.chat_hits() for b in backends) == 1 + retries
+
+
+@pytest.mark.parametrize(("stream", "answer"), [
+    (True, json_answer(400, {"error": {"message": "bad", "type": "x", "code": 400}})),
+    (True, json_answer(200, {"choices": []})),
+    (False, sse(sse_body(event("a"), "[DONE]"))),
+])
+async def test_only_a_200_event_stream_for_a_streamed_request_is_streamed(raw_backend_factory, router_factory,
+                                                                          stream, answer):
+    """Anything else (an error for a streamed request, a JSON 200 for it, an event stream nobody asked for)
+    is answered whole: with its Content-Length and without the stream's Cache-Control. mutmut: start 57 and 58
+    (the `sse` condition's `and` -> `or`)."""
+    b = await raw_backend_factory({CHAT: answer})
+    router = await router_factory([b.url], [], **SETTINGS)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM if stream else BODY) as r:
+        got = await r.read()
+        assert int(r.headers["Content-Length"]) == len(got) > 0
+        assert "Cache-Control" not in r.headers
+
+
+async def test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503(raw_backend_factory,
+                                                                                  router_factory):
+    """Shutdown while the backend has not answered: at the drain deadline the client gets the router's 503
+    document with the pool headers, counted as a 503. mutmut: proxy 84-93 (the error None / its message, the
+    code recorded, the response without the error or the headers)."""
+    async def hang(c: Conn) -> None:
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: hang})
+    router = await router_factory([b.url], [], **{**SETTINGS, "drain_timeout": 0.3, "first_byte_timeout": 30.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        pending = asyncio.ensure_future(s.post(router.url + CHAT, json=BODY))
+        assert await poll(lambda: b.chat_hits() == 1, 10)
+        await router.close()
+        r = await pending
+        assert (r.status, await r.json()) == (503, {"error": {
+            "message": "the router is shutting down; retry the request", "type": "service_unavailable",
+            "code": "router_shutting_down"}})
+        assert (r.headers["X-Router-Pool"], r.headers["X-Router-Backend"]) == ("speculative", b.url)
+        r.release()
+    assert router.metric("router_requests_total", pool="speculative", backend=b.url, code="503") == 1
+
+
+async def test_a_bad_pool_pin_names_the_pools(raw_backend_factory, router_factory):
+    """mutmut: pinned_pool 12 (the pools joined with another separator in the message)."""
+    b = await raw_backend_factory({})
+    router = await router_factory([b.url], [], **SETTINGS)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY,
+                                                    headers={"X-Router-Pool": "fast"}) as r:
+        assert (r.status, await r.json()) == (400, {"error": {
+            "message": "X-Router-Pool must be one of speculative, baseline", "type": "invalid_request_error",
+            "code": "invalid_pool"}})
+    assert b.chat_hits() == 0

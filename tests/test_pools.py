@@ -389,3 +389,18 @@ def test_a_lease_knows_the_mean_load_its_request_ran_under(monkeypatch):
     first.release()
     later.release()
     assert b.inflight == 0
+
+
+def test_a_lease_s_mean_load_ignores_what_the_backend_carried_before_it(monkeypatch):
+    """The integral is read as a difference from the lease's start: 3 request-seconds served earlier do not
+    count. mutmut: Lease.mean_inflight 5 (`area(now) + area0`)."""
+    now = [50.0]
+    monkeypatch.setattr(pools_mod, "clock", lambda: now[0])
+    b = Pools(["http://s:1"], [], policy="spillover").backends[0]
+    before = b.lease()
+    now[0] += 3.0
+    before.release()  # 3 request-seconds, before the lease below
+    lease = b.lease()
+    now[0] += 2.0
+    assert lease.mean_inflight() == pytest.approx(1.0)
+    lease.release()

@@ -116,6 +116,8 @@ async def test_killed_backend_mid_stream_then_failover(sim_process_factory, sim_
 
 
 async def test_shutdown_cuts_streams_after_drain_and_aborts_them(sim_factory, router_factory):
+    """Streams still open at the drain deadline end with the shutdown error in-band, then [DONE].
+    mutmut (router/exchange.py): stream 128-130 (the error's message None or changed)."""
     spec = await sim_factory("eagle3-tp8", speedup=1.0, faults={"stall_after_chunks": 1})
     router = await router_factory([spec.url], [], drain_timeout=0.3)
     async with AsyncExitStack() as stack:
@@ -125,7 +127,9 @@ async def test_shutdown_cuts_streams_after_drain_and_aborts_them(sim_factory, ro
         await router.close()
         for r in resps:
             events = sse_events(await r.read())  # ended explicitly at the drain deadline, never hung
-            assert json.loads(events[-2][6:])["error"]["code"] == "router_shutting_down"
+            assert json.loads(events[-2][6:]) == {"error": {
+                "message": "the router is shutting down; retry the request", "type": "service_unavailable",
+                "code": "router_shutting_down"}}
             assert events[-1] == b"data: [DONE]"
     assert router.inflight() == {spec.url: 0}
     assert await wait_stat(spec.url, "aborted_total", 3, within=3) == 3

@@ -288,8 +288,10 @@ def test_every_place_given_back_can_be_taken_again():
 
 async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_gone(raw_backend_factory,
                                                                                       router_factory):
-    """router_upstream_waiting_requests starts at 0 (not absent), shows a request waiting for the backend's only
-    place, and returns to 0. mutmut: Limits.__init__ 8 (`fromkeys(urls, 1)`) and 5 (None)."""
+    """router_upstream_waiting_requests starts at 0 (not absent), shows the two requests waiting for the
+    backend's only place, and returns to 0; each wait is recorded, within the time it took. mutmut:
+    Limits.__init__ 8 (`fromkeys(urls, 1)`) and 5 (None); exchange.py's take_slot 3 (`if gate.try_take()`),
+    5 (`waiting = 1`), 17 (`monotonic() + t`)."""
     release = asyncio.Event()
 
     async def slow(c: Conn) -> None:
@@ -300,17 +302,20 @@ async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_
     router = await router_factory([b.url], [], **{**SETTINGS, "max_connections_per_backend": 1})
     labels = {"pool": "speculative", "backend": b.url}
     assert router.registry.get_sample_value("router_upstream_waiting_requests", labels) == 0
-    first = asyncio.ensure_future(post(router.url, STREAM))
-    second = asyncio.ensure_future(post(router.url, STREAM))
+    t0 = asyncio.get_running_loop().time()
+    posts = [asyncio.ensure_future(post(router.url, STREAM)) for _ in range(3)]
     try:
-        assert await poll(lambda: router.metric("router_upstream_waiting_requests", **labels) == 1, 10)
+        assert await poll(lambda: router.metric("router_upstream_waiting_requests", **labels) == 2, 10)
         assert b.chat_hits() == 1
     finally:
         release.set()
-    assert [s for s, _ in await asyncio.gather(first, second)] == [200, 200]
+    assert [s for s, _ in await asyncio.gather(*posts)] == [200, 200, 200]
+    took = asyncio.get_running_loop().time() - t0
     assert router.registry.get_sample_value("router_upstream_waiting_requests", labels) == 0
-    assert b.chat_hits() == 2
-
+    assert b.chat_hits() == 3
+    assert router.metric("router_upstream_wait_seconds_count", pool="speculative") == 2
+    # the two waits overlap: together at most twice the time it all took
+    assert 0 <= router.metric("router_upstream_wait_seconds_sum", pool="speculative") <= 2 * took
 
 
 # ---------------------------------------------------------------- where to connect: plain or TLS, which port
