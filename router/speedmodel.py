@@ -109,7 +109,7 @@ class SpeedModel:
     def predict(self, n: float) -> float:
         return self.params().token_time(n)
 
-    def update(self, n: float, y: float, weight: float = 1.0) -> float:
+    def update(self, n: float, y: float) -> float:
         """Fold in one sample: n requests running (>= 1), y seconds per token per request. Returns the
         relative error the model had on it before the update."""
         if not (n >= 1 and y > 0 and math.isfinite(y) and math.isfinite(n)):
@@ -238,9 +238,3 @@ class SpeedModel:
         held = self.held()
         eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
-
-    def update_throughput(self, running: int, tok_s: float, weight: float = 1.0) -> float:
-        """A whole-server figure (SGLang's gen_throughput with `running` requests): y = running / tok_s."""
-        if running < 1 or not tok_s > 0:
-            return 0.0
-        return self.update(running, running / tok_s, weight)
