@@ -79,9 +79,10 @@ class Adaptive:
 
     objective "throughput": the backend whose throughput gains most from one more request (equal marginal
     gains across pools is the system optimum); "latency": the backend where this request would be fastest
-    (the balanced policy's rule), and within NEAR_TIE of a tie the one that gains more throughput from it. The models feed on finished exchanges (report_done); with load_signal
-    backend, /v1/loads sets the queue limit and rescales them when the accept length moves. Routing uses a published copy of each model that moves only when the fit
-    moved by more than `deadband`, so noise cannot flip decisions back and forth."""
+    (the balanced policy's rule), and within NEAR_TIE of a tie the one that gains more throughput from it.
+    The models feed on finished exchanges (report_done); with load_signal backend, /v1/loads sets the queue
+    limit and rescales them when the accept length moves. Routing uses a published copy of each model that
+    moves only when the fit moved by more than `deadband`, so noise cannot flip decisions back and forth."""
 
     name = "adaptive"
 
