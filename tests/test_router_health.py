@@ -51,7 +51,9 @@ async def test_each_probe_outcome_is_counted_and_decides_health(raw_backend_fact
     gone = await raw_backend_factory({})
     await gone.stop_listening()
     urls = [ok.url, bad.url, slow.url, reset.url, gone.url]
-    checker, pools, registry = make(urls, health_timeout=0.3, health_interval=60)
+    # 1.5 s: the healthy backend's first probe took over 0.3 s once in a fresh-clone CI run (a cold first
+    # connection on a 2-core machine) and was judged failed; only the hanging backend waits the whole timeout.
+    checker, pools, registry = make(urls, health_timeout=1.5, health_interval=60)
     try:
         await started(checker)
     finally:
