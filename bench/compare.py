@@ -31,14 +31,19 @@ NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
 # the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
 # _routed() that starts its router.
-CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "adaptive",
+CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "balanced-again", "adaptive",
            "adaptive-throughput", "global")
 SINGLE = ("all-baseline", "all-speculative")
-ROUTED = ("spillover", "round-robin", "balanced", "adaptive", "adaptive-throughput", "global")
+ROUTED = ("spillover", "round-robin", "balanced", "balanced-again", "adaptive", "adaptive-throughput", "global")
 DEFAULT_ROUTED = ("spillover", "round-robin", "balanced", "adaptive")
 # Learn from their own traffic: no curves, no threshold. adaptive-throughput is the same policy with the
 # throughput objective (equal marginal gains), run on request to compare the two objectives.
 LEARNED = ("adaptive", "adaptive-throughput")
+# A control, not a contender: a second router running balanced on the same curves, measured in the same
+# interleaving. Routed configurations place requests by timing, so the same configuration does not give the same
+# figure twice; balanced-again / balanced is that spread, the floor under any per-level bar (adaptive's 0.97x).
+# It is left out of every "best other" (it is balanced itself) and out of the winners.
+CONTROL = ("balanced-again",)
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -62,7 +67,7 @@ async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
 
 def winners(results: dict[str, list[dict]]) -> list[dict]:
     rows = []
-    names = list(results)
+    names = [n for n in results if n not in CONTROL]
     for i, f0 in enumerate(results[names[0]]):
         figs = {n: results[n][i] for n in names}
         ok = {n: f for n, f in figs.items() if f["completed"]}
@@ -77,7 +82,7 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
     """Per level: spillover against the best other configuration, and why when it is behind."""
     lines, rows = [], [{"concurrency": f["concurrency"]} for f in results["all-baseline"]]
     # Spillover is judged against the four configurations it was built to beat; balanced gets its own lines.
-    others = [n for n in results if n not in ("spillover", "balanced", "global", *LEARNED)]
+    others = [n for n in results if n not in ("spillover", "balanced", "global", *LEARNED, *CONTROL)]
     for i, sp in enumerate(results.get("spillover", [])):
         c = sp["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -97,15 +102,31 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
         lines.append(text)
     if "balanced" in results:
         lines += balanced_verdict(results, rec, rows)
+    if "balanced-again" in results and "balanced" in results:
+        lines += repeat_verdict(results, rows)
     if "adaptive" in results:
         lines += adaptive_verdict(results, rows)
     return lines, rows
 
 
+def repeat_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
+    """Per level: balanced measured twice (two routers, same curves, same interleaving): how far one routed
+    configuration's figure moves between two runs of the same level."""
+    lines = []
+    for i, (one, two) in enumerate(zip(results["balanced"], results["balanced-again"], strict=True)):
+        a, b = figures.tput(one), figures.tput(two)
+        ratio = b / a if a else float("inf")
+        rows[i] |= {"balanced_again": b, "repeat_ratio": ratio}
+        lines.append(f"c={one['concurrency']}: balanced measured twice: {a:.1f} and {b:.1f} tok/s -> "
+                     f"{ratio:.3f}x (the spread of one routed configuration between two runs of a level)")
+    return lines
+
+
 def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
     """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x.
-    Its own variants (adaptive-throughput) are not among the others: they are the alternatives it is chosen over."""
-    others = [n for n in results if n not in LEARNED]
+    Its own variants (adaptive-throughput) are not among the others: they are the alternatives it is chosen over;
+    nor is the control (balanced-again, balanced measured twice)."""
+    others = [n for n in results if n not in LEARNED and n not in CONTROL]
     lines = []
     for i, ad in enumerate(results["adaptive"]):
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -126,7 +147,7 @@ def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[s
 def balanced_verdict(results: dict[str, list[dict]], rec, rows: list[dict]) -> list[str]:
     """Per level: balanced against the best of the other configurations (spillover included)."""
     lines = []
-    others = [n for n in results if n not in ("balanced", "global", *LEARNED)]
+    others = [n for n in results if n not in ("balanced", "global", *LEARNED, *CONTROL)]
     for i, bal in enumerate(results["balanced"]):
         c = bal["concurrency"]
         best = max(others, key=lambda n: figures.tput(results[n][i]))
@@ -476,7 +497,7 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
         return router("spillover", True, True, threshold)
     if name == "round-robin":
         return router("round-robin", True, True)
-    if name == "balanced":
+    if name in ("balanced", "balanced-again"):
         return router("balanced", True, True, None, ["--speculative-curve", spec_pts, "--baseline-curve", base_pts])
     if name == "global":
         return router("global", True, True, g_threshold, ["--hysteresis", str(hysteresis)])

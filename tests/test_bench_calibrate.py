@@ -253,3 +253,25 @@ def test_verdict_judges_balanced_against_the_best_other():
     results["balanced"][1]["output_throughput"] = 14.0
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     assert rows[1]["balanced_status"] == "BELOW" and rows[1]["balanced_best_other"] == "round-robin"
+
+
+def test_balanced_again_is_a_control_not_a_contender():
+    # balanced measured twice: the second figure is the spread of one routed configuration, never the "best
+    # other" adaptive or balanced is judged against, and never a winner.
+    results = {
+        "spillover": [_fig(1, 10.0, 900.0), _fig(2, 18.0, 1000.0)],
+        "all-baseline": [_fig(1, 8.0, 800.0), _fig(2, 16.0, 1200.0)],
+        "all-speculative": [_fig(1, 10.0, 950.0), _fig(2, 15.0, 1300.0)],
+        "balanced": [_fig(1, 10.0, 900.0), _fig(2, 20.0, 900.0)],
+        "balanced-again": [_fig(1, 12.0, 700.0), _fig(2, 19.0, 950.0)],
+        "adaptive": [_fig(1, 11.0, 850.0), _fig(2, 19.6, 920.0)],
+    }
+    win = compare.winners(results)
+    assert win[0] == {"concurrency": 1, "throughput_winner": "adaptive", "latency_winner": "all-baseline"}
+    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    assert rows[0]["balanced_best_other_tput"] == 10.0  # not balanced-again's 12.0
+    assert rows[0]["adaptive_best_other"] != "balanced-again" and rows[0]["adaptive_ratio"] == pytest.approx(1.1)
+    assert rows[1]["adaptive_best_other"] == "balanced" and rows[1]["adaptive_ratio"] == pytest.approx(0.98)
+    assert rows[0]["repeat_ratio"] == pytest.approx(1.2) and rows[1]["repeat_ratio"] == pytest.approx(0.95)
+    assert any(t.startswith("c=2: balanced measured twice: 20.0 and 19.0 tok/s -> 0.950x") for t in lines)
