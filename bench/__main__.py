@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import signal
 import sys
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
@@ -57,7 +58,16 @@ def missing_module(command: str, args: list[str]) -> str | None:
     return None
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    # The servers a command starts run in their own sessions (a Ctrl-C in the terminal is the command's to
+    # handle), so they outlive a command killed outright. SIGTERM unwinds like Ctrl-C: every ProcGroup stops
+    # what it started on the way out (a `kill PID` of a compare run left 27 simulators and routers behind).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line (python -m bench, spec-bench), not a caller in this process
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

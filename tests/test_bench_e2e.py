@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
+import time
 
 import pytest
 
@@ -234,3 +237,34 @@ def test_procs_group_stops_everything():
     # Both were stopped by the group with SIGTERM, which each server handles gracefully (exit code 0);
     # a SIGKILL fallback would show as -9.
     assert (a.proc.returncode, b.proc.returncode) == (0, 0)
+
+
+def test_a_bench_command_stopped_with_sigterm_stops_the_servers_it_started(tmp_path):
+    """`kill PID` of a long bench run (SIGTERM) unwinds like Ctrl-C: its simulators and routers, which run in
+    their own sessions, are stopped too instead of being left behind."""
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "err"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "bench", "compare", "--concurrency", "1", "--requests-per-level",
+                              "500", "--max-tokens", "512", "--speedup", "1", "--no-plot", "--out", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        urls: list[str] = []
+        deadline = time.monotonic() + 60
+        while len(urls) < 2 and time.monotonic() < deadline:  # both simulators are up
+            time.sleep(0.2)
+            text = log.read_text()
+            if "baseline backend " in text:
+                urls = re.findall(r"http://127\.0\.0\.1:\d+", text.split("\n")[0])
+        assert len(urls) == 2, log.read_text()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+    for url in urls:  # nothing listens there any more
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2).close()
