@@ -24,13 +24,6 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
 BAND_SHRINK = 5.0
-# The shrink in pseudo-samples is the samples' own spread within their bands over the spread band corrections
-# are expected to have (BAND_TAU): empirical Bayes. Samples that spread by 13% (a speculative server's requests
-# each at their own accept length) need ~2 samples to move a band by half its deviation; samples taken at the
-# server's mean tokens per step spread by ~1%, and one of them is worth more than the line's guess. BAND_SHRINK
-# caps it; MIN_SHRINK is the floor.
-BAND_TAU = 0.1
-MIN_SHRINK = 1.0  # a band of one sample moves half way, however quiet the others are: it may be a stall
 
 
 def band(n: float) -> int:
@@ -222,21 +215,11 @@ class SpeedModel:
             got[2] += age * age
             counts[k] = counts.get(k, 0) + 1
         self.counts = counts
-        # The samples' spread around their own band's mean, pooled over the bands (age-weighted; a band of one
-        # sample says nothing of it), sets how far a band's mean is believed.
-        ss = sw = 0.0
-        for (n, y), age in zip(data, ages, strict=True):
-            if counts[band(n)] > 1:
-                w, sr, _ = acc[band(n)]
-                r = min(max(y / (a + b * n) - 1.0, -lim), lim)
-                ss += age * (r - sr / w) ** 2
-                sw += age
-        k = BAND_SHRINK if sw <= 0 else min(BAND_SHRINK, max(MIN_SHRINK, ss / sw / (BAND_TAU * BAND_TAU)))
         shape = []
-        for band_no, (w, sr, w2) in sorted(acc.items()):
+        for k, (w, sr, w2) in sorted(acc.items()):
             if w > 0 and w2 > 0:
                 eff = w * w / w2
-                shape.append((band_no, 1.0 + (sr / w) * eff / (eff + k)))
+                shape.append((k, 1.0 + (sr / w) * eff / (eff + BAND_SHRINK)))
         self.shape = tuple(shape)
 
     def rescale(self, factor: float) -> None:
