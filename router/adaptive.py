@@ -177,8 +177,8 @@ class Adaptive:
                 self.anchor[url] = figs.accept_length
             elif abs(figs.accept_length - anchor) <= ACCEPT_JUMP * anchor:
                 self.beyond[url] = 0
-            elif self.beyond.get(url, 0) + 1 < ACCEPT_POLLS:
-                self.beyond[url] = self.beyond.get(url, 0) + 1
+            elif (beyond := self.beyond.get(url, 0) + 1) < ACCEPT_POLLS:
+                self.beyond[url] = beyond
             else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
                 self.anchor[url], self.beyond[url] = figs.accept_length, 0
