@@ -32,18 +32,23 @@ NOISE = equal.NOISE
 # the routed configurations below run as chosen with --configs. To add one: a name here and a branch in
 # _routed() that starts its router.
 CONFIGS = ("spillover", "all-baseline", "all-speculative", "round-robin", "balanced", "balanced-again", "adaptive",
-           "adaptive-throughput", "global")
+           "adaptive-again", "adaptive-throughput", "global")
 SINGLE = ("all-baseline", "all-speculative")
-ROUTED = ("spillover", "round-robin", "balanced", "balanced-again", "adaptive", "adaptive-throughput", "global")
+ROUTED = ("spillover", "round-robin", "balanced", "balanced-again", "adaptive", "adaptive-again", "adaptive-throughput",
+          "global")
 DEFAULT_ROUTED = ("spillover", "round-robin", "balanced", "adaptive")
 # Learn from their own traffic: no curves, no threshold. adaptive-throughput is the same policy with the
 # throughput objective (equal marginal gains), run on request to compare the two objectives.
-LEARNED = ("adaptive", "adaptive-throughput")
+LEARNED = ("adaptive", "adaptive-again", "adaptive-throughput")
 # A control, not a contender: a second router running balanced on the same curves, measured in the same
 # interleaving. Routed configurations place requests by timing, so the same configuration does not give the same
 # figure twice; balanced-again / balanced is that spread, the floor under any per-level bar (adaptive's 0.97x).
-# It is left out of every "best other" (it is balanced itself) and out of the winners.
-CONTROL = ("balanced-again",)
+# It is left out of every "best other" (it is balanced itself) and out of the winners. adaptive-again is the same
+# for adaptive: a second router that learns on its own (its own warm-up), so adaptive-again / adaptive is how far
+# one run of the learning policy is from another, its own luck (exploration, which requests it learned from) in.
+CONTROL = ("balanced-again", "adaptive-again")
+# control -> the configuration it repeats
+REPEATS = {"balanced-again": "balanced", "adaptive-again": "adaptive"}
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -102,22 +107,25 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
         lines.append(text)
     if "balanced" in results:
         lines += balanced_verdict(results, rec, rows)
-    if "balanced-again" in results and "balanced" in results:
-        lines += repeat_verdict(results, rows)
+    for again, first in REPEATS.items():
+        if again in results and first in results:
+            lines += repeat_verdict(results, rows, first, again)
     if "adaptive" in results:
         lines += adaptive_verdict(results, rows)
     return lines, rows
 
 
-def repeat_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
-    """Per level: balanced measured twice (two routers, same curves, same interleaving): how far one routed
-    configuration's figure moves between two runs of the same level."""
+def repeat_verdict(results: dict[str, list[dict]], rows: list[dict], first: str = "balanced",
+                   again: str = "balanced-again") -> list[str]:
+    """Per level: one configuration measured twice (two routers, same settings, same interleaving): how far one
+    routed configuration's figure moves between two runs of the same level."""
     lines = []
-    for i, (one, two) in enumerate(zip(results["balanced"], results["balanced-again"], strict=True)):
+    key = "repeat_ratio" if first == "balanced" else f"{first}_repeat_ratio"
+    for i, (one, two) in enumerate(zip(results[first], results[again], strict=True)):
         a, b = figures.tput(one), figures.tput(two)
         ratio = b / a if a else float("inf")
-        rows[i] |= {"balanced_again": b, "repeat_ratio": ratio}
-        lines.append(f"c={one['concurrency']}: balanced measured twice: {a:.1f} and {b:.1f} tok/s -> "
+        rows[i] |= {again.replace("-", "_"): b, key: ratio}
+        lines.append(f"c={one['concurrency']}: {first} measured twice: {a:.1f} and {b:.1f} tok/s -> "
                      f"{ratio:.3f}x (the spread of one routed configuration between two runs of a level)")
     return lines
 
@@ -125,7 +133,7 @@ def repeat_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str
 def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[str]:
     """Per level: adaptive (no curves given) against the best of every other configuration; the bar is 0.97x.
     Its own variants (adaptive-throughput) are not among the others: they are the alternatives it is chosen over;
-    nor is the control (balanced-again, balanced measured twice)."""
+    nor are the controls (balanced-again and adaptive-again, each measured twice)."""
     others = [n for n in results if n not in LEARNED and n not in CONTROL]
     lines = []
     for i, ad in enumerate(results["adaptive"]):
@@ -142,6 +150,9 @@ def adaptive_verdict(results: dict[str, list[dict]], rows: list[dict]) -> list[s
             spread = abs(repeat - 1)
             text += (f"; the control (balanced measured twice) moved {spread:.1%} at this level: the shortfall is "
                      + ("within it" if 1 - ratio <= spread else "beyond it"))
+        own = rows[i].get("adaptive_repeat_ratio")  # adaptive-again / adaptive, when that control ran
+        if ratio < 0.97 and own is not None:
+            text += f"; adaptive measured twice moved {abs(own - 1):.1%} at this level"
         shares = [f"{n} {results[n][i]['speculative_share']:.0%}" for n in results
                   if n not in SINGLE and results[n][i].get("speculative_share") is not None]
         if shares:

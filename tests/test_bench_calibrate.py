@@ -288,3 +288,24 @@ def test_balanced_again_is_a_control_not_a_contender():
     (ad2,) = [t for t in lines if t.startswith("c=2: adaptive")]
     assert "BELOW 0.97x; the control (balanced measured twice) moved 5.0% at this level: the shortfall is within it" \
         in ad2
+
+
+def test_adaptive_again_is_a_control_and_a_miss_says_how_far_adaptive_moves_on_its_own():
+    results = {
+        "all-baseline": [_fig(1, 8.0, 800.0), _fig(2, 16.0, 1200.0)],
+        "all-speculative": [_fig(1, 10.0, 950.0), _fig(2, 15.0, 1300.0)],
+        "balanced": [_fig(1, 10.5, 900.0), _fig(2, 20.0, 900.0)],
+        "adaptive": [_fig(1, 10.4, 850.0), _fig(2, 18.0, 920.0)],
+        "adaptive-again": [_fig(1, 13.0, 850.0), _fig(2, 19.0, 920.0)],
+    }
+    assert compare.winners(results)[0]["throughput_winner"] == "balanced"  # not adaptive-again's 13.0
+    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
+    assert [r["adaptive_best_other"] for r in rows] == ["balanced", "balanced"]
+    assert rows[1]["adaptive_repeat_ratio"] == pytest.approx(19.0 / 18.0) and rows[1]["adaptive_again"] == 19.0
+    assert "repeat_ratio" not in rows[1]  # that key is balanced's control
+    assert any(t.startswith("c=2: adaptive measured twice: 18.0 and 19.0 tok/s -> 1.056x") for t in lines)
+    (ad1,) = [t for t in lines if t.startswith("c=1: adaptive ") and "best other" in t]
+    (ad2,) = [t for t in lines if t.startswith("c=2: adaptive ") and "best other" in t]
+    assert "measured twice" not in ad1  # 0.99x: no miss to explain
+    assert "BELOW 0.97x; adaptive measured twice moved 5.6% at this level" in ad2

@@ -299,6 +299,26 @@ def test_exploration_is_rare_and_only_where_cheap():
     assert dear[EXPLORE] <= 0.08 * 200
 
 
+def test_no_random_exploration_of_a_pool_the_routing_feeds():
+    # Closed loop at 30 clients, both pools in use: each pool is picked every few decisions, so its model is fed
+    # by the routing itself and an explored request would only be one more than its share (a straggler that
+    # ends the level late). Once one pool stops being picked, the usual share of exploration comes back.
+    pol = trained(explore=0.2)
+    rng = random.Random(2)
+    n = {"speculative": 0, "baseline": 0}
+    reasons = Counter()
+    for i in range(600):
+        d = decide(pol, view(n["speculative"], n["baseline"]), None, rng)
+        reasons[d.reason] += 1
+        n[d.pool] += 1
+        if i >= 30:  # a request finishes for each new one: the loads stay at the split the rule keeps
+            done = "speculative" if rng.random() < n["speculative"] / 30 else "baseline"
+            n[done] -= 1
+    assert reasons[EXPLORE] == 0 and min(n.values()) > 0
+    alone = Counter(pol.decide(view(0, 40), rng).reason for _ in range(2000))  # the speculative pool every time
+    assert 0.03 * 2000 < alone[EXPLORE] < 0.2 * 2000
+
+
 def test_light_load_measures_both_pools_alone_before_trusting_the_line():
     # Learned at 5-15 running only: neither pool was ever measured alone. At light load the pool not picked
     # gets half the decisions until it has LOW_LOAD_SAMPLES there, then only the usual share.
