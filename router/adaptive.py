@@ -46,6 +46,13 @@ LOW_LOAD_EXPLORE = 0.5
 # seed pair the speculative server alone and the baseline with two differ by 1.3% per request while one each
 # serves 7% more than both on the baseline: a model 2% off would otherwise pick either at random.
 NEAR_TIE = 0.03
+# Only at light load (both backends would run the request with at most LOW_LOAD - 1 others): there a request is
+# a large share of a server's work, the choices are few, and the better split of the two is worth several percent
+# of the total. Busier, one request moves a split by little and the tie-break has a direction: it picks the
+# server whose throughput gains more, the speculative one at mid loads, every time its per-request speed is
+# within 3% below the other's. A recording (TP4+TP4 split, 30 clients) showed it put one request more on the
+# speculative server at each such tie (9 running where the rule alone keeps 8), its requests 10% slower than the
+# baseline's (3% by the model, the rest the model's error) and the level's drain 9% longer.
 # Random exploration only for a pool the routing itself has not sent a request to in this many decisions: a pool
 # that gets its share of the traffic is measured already, and an explored request there is one more than its
 # share. In a closed-loop level that request and the others on its server run slower than the rest and end the
@@ -85,7 +92,7 @@ class Adaptive:
 
     objective "throughput": the backend whose throughput gains most from one more request (equal marginal
     gains across pools is the system optimum); "latency": the backend where this request would be fastest
-    (the balanced policy's rule), and within NEAR_TIE of a tie the one that gains more throughput from it.
+    (the balanced policy's rule), and at light load within NEAR_TIE of a tie the one that gains more throughput.
     The models feed on finished exchanges (report_done); with load_signal backend, /v1/loads sets the queue
     limit and rescales them when the accept length moves. Routing uses a published copy of each model that
     moves only when the fit moved by more than `deadband`, so noise cannot flip decisions back and forth."""
@@ -233,6 +240,7 @@ class Adaptive:
             # A tie (in practice: nothing learned yet) goes to the less measured pool, then to speculative.
             spec_first = self._samples(SPECULATIVE) <= self._samples(BASELINE)
         elif (self.objective == "latency" and s_score[1] != b_score[1]
+              and max(s_b.load_estimate, b_b.load_estimate) < LOW_LOAD
               and abs(s_score[0] - b_score[0]) <= NEAR_TIE * max(s_score[0], b_score[0])):
             spec_first = s_score[1] > b_score[1]
         else:

@@ -210,6 +210,10 @@ DECISIONS = [
     # 82.5 tok/s alone is a 1% tie, won by the gain (82.5 > 74.5); 78.0 alone is 6% slower: not a tie.
     ("latency", (0.0097, 0.00242), view(0, 1), "speculative", GAIN),
     ("latency", (0.0097, 0.003121), view(0, 1), "baseline", GAIN),
+    # Busier, no tie-break: 8 on the speculative server (28.0 tok/s each with one more, a gain of 16.5) and 21 on
+    # the baseline (28.6 each, a gain of 8.2): 2% slower per request goes to the baseline, the rule alone.
+    ("latency", (0.02, 0.001746), view(8, 21), "baseline", GAIN),
+    ("latency", (0.02, 0.001746), view(7, 21), "speculative", GAIN),
 ]
 
 
