@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import signal
 import sys
+import threading
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -58,11 +60,29 @@ def missing_module(command: str, args: list[str]) -> str | None:
     return None
 
 
+# Seconds a SIGTERM's unwinding may take before the command stops its servers itself and exits.
+UNWIND_S = 10.0
+
+
 def _stop_on_sigterm(signum, frame) -> None:
     # The servers a command starts run in their own sessions (a Ctrl-C in the terminal is the command's to
     # handle), so they outlive a command killed outright. SIGTERM unwinds like Ctrl-C: every ProcGroup stops
     # what it started on the way out (a `kill PID` of a compare run left 27 simulators and routers behind).
+    # The exception lands wherever the main thread was; code that catches broadly there (seen: a compare run
+    # at its first level that went on after SIGTERM) swallows it. So a timer thread, which runs whatever the
+    # main thread does, stops what is still running and ends the process if the unwinding has not by then.
+    timer = threading.Timer(UNWIND_S, _exit_now, args=(128 + signum,))
+    timer.daemon = True
+    timer.start()
     raise SystemExit(128 + signum)
+
+
+def _exit_now(code: int) -> None:
+    from bench import procs
+
+    procs.stop_all()
+    print(f"bench: stopped after SIGTERM (its unwinding did not finish within {UNWIND_S:g}s)", file=sys.stderr)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

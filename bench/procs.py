@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -142,6 +143,9 @@ def start_router(speculative: list[str], baseline: list[str], policy: str, thres
 class ProcGroup:
     """Context manager: everything started through it is stopped on exit, newest first."""
 
+    # The groups inside their `with` block, for stop_all: a SIGTERM whose unwinding was swallowed still stops them.
+    live: weakref.WeakSet[ProcGroup] = weakref.WeakSet()
+
     def __init__(self) -> None:
         self.procs: list[Proc] = []
 
@@ -155,9 +159,20 @@ class ProcGroup:
             self.procs.remove(p)
 
     def __enter__(self) -> ProcGroup:
+        ProcGroup.live.add(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        ProcGroup.live.discard(self)
         for p in reversed(self.procs):
             p.stop()
         self.procs.clear()
+
+
+def stop_all(grace: float = 2.0) -> None:
+    """Stop every server every live ProcGroup started (newest first), by PID: the last resort of a command that
+    must exit now. Their readers are not joined: the command is about to exit."""
+    for group in list(ProcGroup.live):
+        for p in reversed(list(group.procs)):
+            with contextlib.suppress(Exception):
+                terminate(p.proc, grace)

@@ -268,3 +268,47 @@ def test_a_bench_command_stopped_with_sigterm_stops_the_servers_it_started(tmp_p
     for url in urls:  # nothing listens there any more
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2).close()
+
+
+SWALLOWS_SIGTERM = """
+import sys, time
+from bench import __main__ as cli, procs
+import signal
+signal.signal(signal.SIGTERM, cli._stop_on_sigterm)
+with procs.ProcGroup() as g:
+    sim = g.add(procs.start_sim("baseline-tp8", 1.0))
+    deadline = time.monotonic() + 120
+
+    def carry_on():
+        try:
+            print(sim.url, flush=True)  # from inside: the signal is sent once this line is read
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        except BaseException:  # code that catches too broadly, where the signal's exception lands
+            carry_on()
+
+    carry_on()
+"""
+
+
+def test_a_sigterm_whose_unwinding_is_swallowed_still_stops_the_servers_and_exits():
+    import signal
+    import subprocess
+    import sys
+
+    from bench import __main__ as cli
+
+    with subprocess.Popen([sys.executable, "-c", SWALLOWS_SIGTERM], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as p:
+        try:
+            url = p.stdout.readline().strip()
+            assert url.startswith("http://127.0.0.1:")
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=cli.UNWIND_S + 20)
+            assert p.returncode == 128 + signal.SIGTERM
+            assert "did not finish within" in err
+        finally:
+            if p.poll() is None:
+                p.kill()
+    with pytest.raises(ConnectionRefusedError):  # the simulator was stopped, not left behind
+        socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2).close()
