@@ -34,6 +34,14 @@ EXPLORE_FLOOR = 0.7
 # while samples kept coming in, and each round trip left them a few percent off (5x after a few minutes).
 ACCEPT_JUMP = 0.2
 ACCEPT_POLLS = 2
+# ... and only from a server running at least this many requests. The figure averages the last steps, so with one
+# request running it is that request's own accept length, which a speculative server draws per request (the
+# simulator: +-12%, clipped at +-23%): one request in twelve lands beyond the 20% on its own, and at 1-2 clients
+# a speculative request runs for several polls. The model was then rescaled by that one request's luck (20% fast,
+# say) and stayed there: the next requests' lengths were within 20% of the new anchor. On the seed pair at one
+# client both adaptive routers of one run sent ~60% of the requests to the speculative server, 12% slower alone
+# (0.92x). With four running the figure's own spread is half, and a 20% move is a change of the server's.
+ACCEPT_MIN_RUNNING = 4
 # Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
 # where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
 # band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
@@ -182,6 +190,8 @@ class Adaptive:
                 self._publish(key, m, 1.0)
         if figs.accept_length is not None and figs.accept_length > 0:
             self.accept[url] = figs.accept_length
+            if figs.running < ACCEPT_MIN_RUNNING:
+                return
             # Against the accept length the model was last scaled at, not the last one reported: a figure that
             # jitters (a window average; idle and busy report differently) must not walk the model away in
             # sub-threshold steps, and A -> B -> A must come back to exactly where it was. Compared with the

@@ -387,11 +387,30 @@ def test_loads_figures_set_the_queue_and_an_accept_drop_rescales_the_model_at_on
     assert m.samples == 40  # the requests only
     assert m.max_running == 48 and pol.params(view().speculative[0]).max_running == 48
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)
-    pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
+    pol.observe_loads(S1, "speculative", LoadFigures(8, 0, 0.0, 1.6, 48))
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)  # one poll: a blip
-    pol.observe_loads(S1, "speculative", LoadFigures(0, 0, 0.0, 1.6, 48))
+    pol.observe_loads(S1, "speculative", LoadFigures(8, 0, 0.0, 1.6, 48))
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16) * 1.6 / 2.6, rel=0.03)
     assert pol.state(view())["backends"][0]["accept_length"] == 1.6
+
+
+def test_one_request_running_is_no_accept_length_of_the_server():
+    """With one or two requests running, the reported accept length is theirs: a request that draws 3.2 where
+    the server's mean is 2.6, reported on poll after poll, must not make the model 23% faster for good."""
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(5)
+    for running in (4, 8, 16, 32) * 10:
+        pol.observe(obs("speculative", S1, running, GOOD_SPEC, rng, noise=0.05))
+        pol.observe_loads(S1, "speculative", LoadFigures(running, 0, None, 2.6, 48))
+    m = pol.pool_model("speculative")
+    before = m.params().throughput(1)
+    for running in (1, 2, 3) * 3:
+        pol.observe_loads(S1, "speculative", LoadFigures(running, 0, None, 3.2, 48))
+    assert m.params().throughput(1) == before
+    assert pol.state(view())["backends"][0]["accept_length"] == 3.2  # shown as reported
+    for _ in range(2):  # the same figure from a busy server is a change of the server's
+        pol.observe_loads(S1, "speculative", LoadFigures(6, 0, None, 3.2, 48))
+    assert m.params().throughput(1) == pytest.approx(before * 3.2 / 2.6, rel=0.01)
 
 
 def test_a_jittering_accept_length_does_not_walk_the_model_away():
