@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         0.03, ge=0.0, le=0.5, description="adaptive policy: share of decisions that may go to the other pool "
         "to keep its model fresh, only where that costs little")
     adaptive_deadband: float = Field(
-        0.03, ge=0.0, lt=1.0, description="adaptive policy: relative change of a fitted model before routing "
+        0.01, ge=0.0, lt=1.0, description="adaptive policy: relative change of a fitted model before routing "
         "follows it (keeps noise from flipping decisions)")
     adaptive_max_running: int | None = Field(
         None, ge=1, description="adaptive policy: requests one backend runs at once (SGLang "
