@@ -69,32 +69,12 @@ NEAR_TIE = 0.03
 # where `balanced` put 44: 0.89x, its 99th-percentile request 81 s against 43. So a backend with a free slot
 # wins over one that would queue unless its per-request speed is below QUEUE_FLOOR of the queued one's.
 QUEUE_FLOOR = 0.5
-# A speculative server's requests each accept their own number of tokens per step (the prompt, the draft), so
-# their seconds per token spread by ~13% at one running (measured on the simulator) while the step time they
-# ran at spreads by 0.2%: a request's seconds per token are taken at its server's mean tokens per step, y *
-# own / mean, and a few samples pin a load band where ~25 were needed. A stream's tokens per step is its
-# completion tokens over its data events less STREAM_OVERHEAD (role, finish, usage and [DONE]: SGLang's four;
-# vLLM sends three, and a constant offset cancels in own / mean). The mean is per backend, over many streams
-# (the plain mean of the first 1/TPS_GAIN, then forgetting at TPS_GAIN): its error sets the level of every
-# load band at once, so it must average out the per-request spread; a drift of the accept length that
-# /v1/loads reports moves it at once (observe_loads), and without /v1/loads it follows in ~1/TPS_GAIN streams.
-STREAM_OVERHEAD = 4
-MIN_STEPS = 8
-TPS_GAIN = 0.02
 # Random exploration only for a pool the routing itself has not sent a request to in this many decisions: a pool
 # that gets its share of the traffic is measured already, and an explored request there is one more than its
 # share. In a closed-loop level that request and the others on its server run slower than the rest and end the
 # level late: at 3% of 60 requests one or two land in a level's second round, and at 9 running on the
 # speculative server each costs its requests ~10% speed (what the `latency` rule had equalised).
 FRESH = 10
-
-
-def tokens_per_step(obs: Observation) -> float | None:
-    """This stream's own tokens per decode step, or None when it was not streamed or too short to say."""
-    steps = obs.events - STREAM_OVERHEAD
-    if obs.completion_tokens is None or steps < MIN_STEPS:
-        return None
-    return obs.completion_tokens / steps
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -151,8 +131,6 @@ class Adaptive:
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
-        self.tps: dict[str, float] = {}  # each backend's running mean of its streams' tokens per step
-        self.tps_seen: dict[str, int] = {}
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         self.last_sent: dict[str, int] = {}  # pool -> decision count when it was last picked
@@ -207,18 +185,8 @@ class Adaptive:
         """One finished exchange: its seconds per token, against the requests running then."""
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
-        if got is None:
-            return
-        n, y = got
-        own = tokens_per_step(obs)
-        if own is not None:
-            k = self.tps_seen[obs.url] = self.tps_seen.get(obs.url, 0) + 1
-            mean = self.tps.get(obs.url, own)
-            mean += max(TPS_GAIN, 1 / k) * (own - mean)
-            self.tps[obs.url] = mean
-            # At the server's mean tokens per step: what a request sent there next should expect.
-            y *= min(max(own / mean, 0.5), 2.0)
-        self._fold(obs.pool, obs.url, n, y)
+        if got is not None:
+            self._fold(obs.pool, obs.url, got[0], got[1])
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
@@ -246,8 +214,6 @@ class Adaptive:
             else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
                 self.anchor[url], self.beyond[url] = figs.accept_length, 0
-                if url in self.tps:  # the streams' mean moved with it; the next ones are taken at the new one
-                    self.tps[url] *= figs.accept_length / anchor
                 for key in (url, pool):
                     m = self.model(key, pool)
                     m.rescale(anchor / figs.accept_length)
@@ -359,7 +325,6 @@ class Adaptive:
         backends = [describe(b.url, b.pool) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
-            "tokens_per_step": round(self.tps[b.url], 3) if b.url in self.tps else None,
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,

@@ -33,7 +33,7 @@ from router.observe import (
 from router.policy import POOLS, RETRY
 from router.pools import Lease
 from router.state import STATE, RouterState
-from router.streaming import Usage, count_events, scan_usage, split_events, usage_view
+from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
 from router.watchdog import Watchdog
 
@@ -71,7 +71,7 @@ class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "events", "cut", "late", "first", "cancelling", "delivered", "watchdog", "slot")
+                 "chunks", "cut", "late", "first", "cancelling", "delivered", "watchdog", "slot")
 
     def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
         self.st = st
@@ -85,7 +85,6 @@ class Exchange:
         self.inflight_at_start = lease.backend.inflight
         self.ttft: float | None = None
         self.chunks = 0
-        self.events = 0  # SSE data events from upstream (one per decode step and a few more): its tokens per step
         self.cut = False  # set when the drain ended before this exchange did
         self.late = False  # set when first_byte_timeout ran out before the first byte came
         self.first: bytes | None = None  # a stream's first chunk until stream() takes it
@@ -246,7 +245,6 @@ class Exchange:
             while chunk:
                 events, buf = split_events(buf + chunk)
                 if events:
-                    self.events += count_events(events)
                     events = scan_usage(events, self.usage, strip)
                 if events:
                     now = time.monotonic()
@@ -307,8 +305,7 @@ class Exchange:
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            self.usage.completion if self.usage.seen else None, self.chunks, ok, self.lease.mean_inflight(),
-            self.events))
+            self.usage.completion if self.usage.seen else None, self.chunks, ok, self.lease.mean_inflight()))
         self.lease.release()
         self.give_slot()
         if self.upstream is not None:

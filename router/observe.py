@@ -41,9 +41,6 @@ class Observation:
     # The backend's mean in-flight count over the exchange (time-weighted, this request included); None when
     # not measured. Start and end counts misstate the load of a request that ran while it ramped or drained.
     inflight_mean: float | None = None
-    # SSE data events the backend streamed (0 when not streamed): a server sends one per decode step plus a few
-    # (role, finish, usage, [DONE]), so completion_tokens over them is this request's own tokens per step.
-    events: int = 0
 
 
 @dataclass(frozen=True, slots=True)

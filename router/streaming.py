@@ -36,12 +36,6 @@ def split_events(buf: bytes) -> tuple[bytes, bytes]:
     return b"", buf
 
 
-def count_events(events: bytes) -> int:
-    """SSE data events in a run of complete events. A JSON string escapes its newlines, so "data:" after a
-    newline byte starts an event and never sits inside one."""
-    return events.count(b"\ndata:") + events.startswith(b"data:")
-
-
 @dataclass(slots=True)
 class Usage:
     prompt: int = 0

@@ -517,54 +517,6 @@ def test_adaptive_settings():
             load_settings(None, {"baseline": "http://b:1", "policy": "adaptive", **bad}, environ={})
 
 
-def _speed_alone_error(seed: int, streamed: bool) -> float:
-    """A speculative server whose step time bends (concave in n), requests each at their own accept length
-    (2.6 +- 25%): 80 requests at 2-40 running, then 3 alone. How far the model's speed alone is from the truth."""
-    rng = random.Random(seed)
-    pol = Adaptive(explore=0.0)
-
-    def step(n):
-        return (36.9 + 17.0 * n - 0.04 * n * n) / 1000
-
-    for i in range(83):
-        n = rng.randint(2, 40) if i < 80 else 1
-        steps, accept = 200, rng.uniform(2.6 * 0.75, 2.6 * 1.25)
-        duration = steps * step(n)
-        events = steps + 4 if streamed else 0  # role, finish, usage, [DONE]
-        pol.observe(Observation("speculative", S1, n, n, duration, duration / 50, round(accept * steps), steps + 4,
-                                True, float(n), events))
-    m = pol.pool_model("speculative")
-    m.fit()
-    return m.params().throughput(1) / (2.6 / step(1)) - 1
-
-
-def test_streams_are_taken_at_their_servers_mean_tokens_per_step():
-    # Seconds per token spread with each request's own acceptance (~13% here); taken at the server's mean tokens
-    # per step (completion tokens over the stream's events) they spread by the step time's own noise, and three
-    # requests alone pin the speed alone better than the same requests' plain timings.
-    streamed = sorted(abs(_speed_alone_error(s, True)) for s in range(20))
-    plain = sorted(abs(_speed_alone_error(s, False)) for s in range(20))
-    assert streamed[10] < 0.03 and streamed[-1] < 0.06  # measured 0.025 and 0.052
-    assert plain[10] > 0.04 and plain[-1] > 0.15  # measured 0.043 and 0.185
-
-
-def test_a_reported_accept_length_change_moves_the_streams_mean_with_it():
-    pol = Adaptive(explore=0.0)
-    for _ in range(10):
-        pol.observe(Observation("speculative", S1, 4, 4, 2.0, 0.05, 300, 104, True, 4.0, 104))
-    assert pol.tps[S1] == pytest.approx(3.0)
-    pol.observe_loads(S1, "speculative", LoadFigures(running=4, waiting=0, accept_length=3.0))
-    for _ in range(2):  # the drafter got worse: two polls in a row at half the length
-        pol.observe_loads(S1, "speculative", LoadFigures(running=4, waiting=0, accept_length=1.5))
-    assert pol.tps[S1] == pytest.approx(1.5)
-    before = pol.pool_model("speculative").params().token_time(4)
-    assert before == pytest.approx(2 * 2.0 / 300, rel=0.02)  # rescaled: twice the seconds per token
-    # A stream at the new length is a sample at the (new) mean: it confirms the rescaled model, it does not
-    # drag it back toward the old one.
-    pol.observe(Observation("speculative", S1, 4, 4, 2.0, 0.05, 150, 104, True, 4.0, 104))
-    assert pol.pool_model("speculative").params().token_time(4) == pytest.approx(before, rel=0.02)
-
-
 @pytest.mark.parametrize(("objective", "base_load", "pool"), [
     ("latency", 20, "baseline"),  # 29.5 tok/s each with a free slot beats 37.7 "shared" in a queue
     ("latency", 47, "speculative"),  # 15.4 is below half of 37.7: the queue is the lesser wait
