@@ -61,14 +61,6 @@ NEAR_TIE = 0.03
 # within 3% below the other's. A recording (TP4+TP4 split, 30 clients) showed it put one request more on the
 # speculative server at each such tie (9 running where the rule alone keeps 8), its requests 10% slower than the
 # baseline's (3% by the model, the rest the model's error) and the level's drain 9% longer.
-# A backend at its max_running_requests queues the next request: it waits for a slot, then runs. Its speed by
-# the model (X(limit)/(n+1), the throughput shared by all in flight) is right on average and wrong for that
-# request: it starts only when one of the running ones ends, and in a closed-loop level it ends last (2
-# requests per client: a level's second round queued on one server ends up to one request's duration after the
-# rest). On the better drafter at 100 clients one run of adaptive put 50 on the speculative server (limit 48)
-# where `balanced` put 44: 0.89x, its 99th-percentile request 81 s against 43. So a backend with a free slot
-# wins over one that would queue unless its per-request speed is below QUEUE_FLOOR of the queued one's.
-QUEUE_FLOOR = 0.5
 # Random exploration only for a pool the routing itself has not sent a request to in this many decisions: a pool
 # that gets its share of the traffic is measured already, and an explored request there is one more than its
 # share. In a closed-loop level that request and the others on its server run slower than the rest and end the
@@ -235,11 +227,6 @@ class Adaptive:
         # Once every candidate queues, marginal gains are all 0: the per-request speed splits the queue.
         return gain, speed
 
-    def queues(self, b: BackendView) -> bool:
-        """Would a request sent to b now wait in its queue (b is at its max_running_requests)?"""
-        limit = self.params(b).max_running
-        return limit is not None and b.load_estimate >= limit
-
     def _samples(self, pool: str) -> int:
         m = self.models.get(pool)
         return 0 if m is None else m.samples
@@ -259,11 +246,7 @@ class Adaptive:
             return sole_pool(view, bool(spec), rng, GAIN)
         s_score, s_b = self._best(spec, rng)
         b_score, b_b = self._best(base, rng)
-        s_q, b_q = self.queues(s_b), self.queues(b_b)
-        speed = 0 if self.objective == "latency" else 1
-        if s_q != b_q and (b_score if s_q else s_score)[speed] >= QUEUE_FLOOR * (s_score if s_q else b_score)[speed]:
-            spec_first = b_q  # the one with a free slot
-        elif s_score == b_score:
+        if s_score == b_score:
             # A tie (in practice: nothing learned yet) goes to the less measured pool, then to speculative.
             spec_first = self._samples(SPECULATIVE) <= self._samples(BASELINE)
         elif (self.objective == "latency" and s_score[1] != b_score[1]
@@ -275,7 +258,7 @@ class Adaptive:
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
         if self.explore > 0:
             top, low = max(s_score, b_score)[0], min(s_score, b_score)[0]
-            cheap = low >= EXPLORE_FLOOR * top and not self.queues(alt)
+            cheap = low >= EXPLORE_FLOOR * top
             n_alt = alt.load_estimate + 1
             if (cheap and n_alt <= LOW_LOAD and alt.pool not in self.priors
                     and self.model(alt.pool, alt.pool).band_samples(n_alt) < LOW_LOAD_SAMPLES

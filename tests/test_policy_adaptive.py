@@ -515,22 +515,3 @@ def test_adaptive_settings():
                      ({"adaptive_forgetting": "1.5"}, "adaptive_forgetting")):
         with pytest.raises(ConfigError, match=msg):
             load_settings(None, {"baseline": "http://b:1", "policy": "adaptive", **bad}, environ={})
-
-
-@pytest.mark.parametrize(("objective", "base_load", "pool"), [
-    ("latency", 20, "baseline"),  # 29.5 tok/s each with a free slot beats 37.7 "shared" in a queue
-    ("latency", 47, "speculative"),  # 15.4 is below half of 37.7: the queue is the lesser wait
-    ("throughput", 20, "baseline"),
-])
-def test_a_free_slot_wins_over_a_queue(objective, base_load, pool):
-    # The speculative server is at its limit of 48: by the model a request there gets X(48)/49 = 37.7 tok/s, the
-    # baseline with 21 running 29.5. Sent to the queue it would wait for a slot and, in a closed-loop level, end
-    # last. The old rule (the model's speeds alone) sent it there.
-    pol = Adaptive(priors={"speculative": (0.002, 0.0005), "baseline": SEED_BASE}, explore=0.0, max_running=48,
-                   objective=objective)
-    loads = view(48, base_load)
-    assert pol.queues(loads.speculative[0]) and not pol.queues(loads.baseline[0])
-    assert decide(pol, loads, None, random.Random(1)).pool == pool
-    no_limit = Adaptive(priors={"speculative": (0.002, 0.0005), "baseline": SEED_BASE}, explore=0.0,
-                        objective="latency")
-    assert decide(no_limit, view(48, 20), None, random.Random(1)).pool == "speculative"
