@@ -47,8 +47,8 @@ LEARNED = ("adaptive", "adaptive-again", "adaptive-throughput")
 # for adaptive: a second router that learns on its own (its own warm-up), so adaptive-again / adaptive is how far
 # one run of the learning policy is from another, its own luck (exploration, which requests it learned from) in.
 CONTROL = ("balanced-again", "adaptive-again")
-# control -> the configuration it repeats
-REPEATS = {"balanced-again": "balanced", "adaptive-again": "adaptive"}
+# control -> (the configuration it repeats, the key of their ratio in a verdict row)
+REPEATS = {"balanced-again": ("balanced", "repeat_ratio"), "adaptive-again": ("adaptive", "adaptive_repeat_ratio")}
 
 
 async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
@@ -107,20 +107,19 @@ def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None
         lines.append(text)
     if "balanced" in results:
         lines += balanced_verdict(results, rec, rows)
-    for again, first in REPEATS.items():
+    for again, (first, key) in REPEATS.items():
         if again in results and first in results:
-            lines += repeat_verdict(results, rows, first, again)
+            lines += repeat_verdict(results, rows, first, again, key)
     if "adaptive" in results:
         lines += adaptive_verdict(results, rows)
     return lines, rows
 
 
-def repeat_verdict(results: dict[str, list[dict]], rows: list[dict], first: str = "balanced",
-                   again: str = "balanced-again") -> list[str]:
+def repeat_verdict(results: dict[str, list[dict]], rows: list[dict], first: str, again: str,
+                   key: str) -> list[str]:
     """Per level: one configuration measured twice (two routers, same settings, same interleaving): how far one
     routed configuration's figure moves between two runs of the same level."""
     lines = []
-    key = "repeat_ratio" if first == "balanced" else f"{first}_repeat_ratio"
     for i, (one, two) in enumerate(zip(results[first], results[again], strict=True)):
         a, b = figures.tput(one), figures.tput(two)
         ratio = b / a if a else float("inf")

@@ -61,6 +61,7 @@ NEAR_TIE = 0.03
 # within 3% below the other's. A recording (TP4+TP4 split, 30 clients) showed it put one request more on the
 # speculative server at each such tie (9 running where the rule alone keeps 8), its requests 10% slower than the
 # baseline's (3% by the model, the rest the model's error) and the level's drain 9% longer.
+
 # Random exploration only for a pool the routing itself has not sent a request to in this many decisions: a pool
 # that gets its share of the traffic is measured already, and an explored request there is one more than its
 # share. In a closed-loop level that request and the others on its server run slower than the rest and end the
