@@ -1,6 +1,7 @@
 """The adaptive policy: learns each pool's (and instance's) speed online and routes on the learned models."""
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 
@@ -68,6 +69,16 @@ NEAR_TIE = 0.03
 # level late: at 3% of 60 requests one or two land in a level's second round, and at 9 running on the
 # speculative server each costs its requests ~10% speed (what the `latency` rule had equalised).
 FRESH = 10
+# The near tie widens by TIE_Z standard errors of the two predictions there (each model's per-request spread over
+# the square root of its samples in that load band): a speculative server's requests scatter by their own
+# acceptance (+-12% drawn per request in the simulator, sd ~10% of the token time measured), so with eight
+# samples alone its speed there is known to ~3.5%. On the TP4+TP4 split at 2 clients the speculative server alone
+# and the baseline with two are within 1% of each other; the model, 3.5-4% off the speculative side, sent both
+# clients to the baseline in two runs of three (0.96-0.97x of one each).
+TIE_Z = 2.0
+MAX_TIE = 0.15
+# The published spread moves only by more than this (a refit changes it by a little every few samples).
+SPREAD_BAND = 0.01
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -121,6 +132,7 @@ class Adaptive:
         self.priors = dict(priors or {})
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
+        self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
@@ -138,23 +150,49 @@ class Adaptive:
             m = self.models[key] = SpeedModel(self.forgetting, self.priors.get(pool))
             m.max_running = self.max_running
             self.published[key] = m.params()
+            self.spreads[key] = m.spread
         return m
+
+    def _key(self, b: BackendView) -> str | None:
+        """Which model a decision uses for backend b: its own, its pool's, or None (a guess, see params)."""
+        m = self.models.get(b.url)
+        if m is not None and m.samples >= MIN_INSTANCE_SAMPLES:
+            return b.url
+        pm = self.model(b.pool, b.pool)
+        if pm.samples < MIN_POOL_SAMPLES and b.pool not in self.priors:
+            return None
+        return b.pool
+
+    def spread(self, b: BackendView) -> float:
+        """The published per-request spread of the model behind backend b's decisions (0 while guessed)."""
+        key = self._key(b)
+        return 0.0 if key is None else self.spreads.get(key, 0.0)
+
+    def stderr(self, b: BackendView) -> float:
+        """Relative standard error of the model's speed for one more request on b: its per-request spread
+        over the square root of the samples it holds at that load."""
+        key = self._key(b)
+        if key is None:
+            return 0.0
+        held = self.models[key].band_samples(b.load_estimate + 1)
+        return self.spreads.get(key, 0.0) / math.sqrt(max(held, 1))
+
+    def tie(self, s_b: BackendView, b_b: BackendView) -> float:
+        """How close two per-request speeds are a tie: NEAR_TIE, widened by the models' uncertainty there."""
+        return min(MAX_TIE, NEAR_TIE + TIE_Z * math.hypot(self.stderr(s_b), self.stderr(b_b)))
 
     def params(self, b: BackendView) -> Params:
         """The published model a decision uses for backend b: its own once it has enough samples."""
-        m = self.models.get(b.url)
-        if m is not None and m.samples >= MIN_INSTANCE_SAMPLES:
-            return self.published[b.url]
-        pm = self.model(b.pool, b.pool)
-        if pm.samples < MIN_POOL_SAMPLES and b.pool not in self.priors:
+        key = self._key(b)
+        if key is None:
             # Knowing nothing of this pool, assume it is like the other one (or both neutral while neither is
             # known): the decision is then by load alone until this pool has been measured.
             o = other(b.pool)
             om = self.models.get(o)
             known = om is not None and (om.samples >= MIN_POOL_SAMPLES or o in self.priors)
             src = self.published[o] if known else Params(*NEUTRAL)
-            return Params(src.alpha, src.beta, pm.max_running)
-        return self.published[b.pool]
+            return Params(src.alpha, src.beta, self.model(b.pool, b.pool).max_running)
+        return self.published[key]
 
     def _fold(self, pool: str, url: str, n: float, y: float) -> None:
         for key in (url, pool):
@@ -164,6 +202,8 @@ class Adaptive:
         self.last_seen[pool] = self.decisions
 
     def _publish(self, key: str, m: SpeedModel, n: float) -> None:
+        if abs(m.spread - self.spreads.get(key, 0.0)) > SPREAD_BAND:
+            self.spreads[key] = m.spread
         new, old = m.params(), self.published[key]
         # Follow the fit only when it moved by more than its own wobble (3 sigma) and the deadband.
         band = max(self.deadband, 3 * m.noise())
@@ -252,7 +292,7 @@ class Adaptive:
             spec_first = self._samples(SPECULATIVE) <= self._samples(BASELINE)
         elif (self.objective == "latency" and s_score[1] != b_score[1]
               and max(s_b.load_estimate, b_b.load_estimate) < LOW_LOAD
-              and abs(s_score[0] - b_score[0]) <= NEAR_TIE * max(s_score[0], b_score[0])):
+              and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])):
             spec_first = s_score[1] > b_score[1]
         else:
             spec_first = s_score > b_score
@@ -261,7 +301,9 @@ class Adaptive:
             top, low = max(s_score, b_score)[0], min(s_score, b_score)[0]
             cheap = low >= EXPLORE_FLOOR * top
             n_alt = alt.load_estimate + 1
-            if (cheap and n_alt <= LOW_LOAD and alt.pool not in self.priors
+            g = 1 if self.objective == "latency" else 0
+            alt_sc, pick_sc = (b_score, s_score) if spec_first else (s_score, b_score)
+            if (cheap and alt_sc[g] >= EXPLORE_FLOOR * pick_sc[g] and n_alt <= LOW_LOAD and alt.pool not in self.priors
                     and self.model(alt.pool, alt.pool).band_samples(n_alt) < LOW_LOAD_SAMPLES
                     and rng.random() < LOW_LOAD_EXPLORE):
                 return self._send(alt, EXPLORE)
@@ -294,7 +336,7 @@ class Adaptive:
             m, pub = self.model(key, pool), self.published[key]
             fit = m.params()
             return {"alpha_s": fit.alpha, "beta_s": fit.beta, "max_running": fit.max_running,
-                    "samples": m.samples, "error": round(m.err, 4),
+                    "samples": m.samples, "error": round(m.err, 4), "spread": round(self.spreads[key], 4),
                     "published": {"alpha_s": pub.alpha, "beta_s": pub.beta},
                     "tok_s_alone": round(fit.throughput(1), 1),
                     "tok_s_saturated": round(fit.throughput(fit.max_running or 10**6), 1)}

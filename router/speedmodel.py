@@ -19,16 +19,33 @@ BAND_WINDOW = 128
 REFIT_EVERY = 4
 REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
-# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (n running in
-# [2^k, 2^(k+1))) the fit also keeps the line's mean relative error on the samples it holds there and predicts
+# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (band()) the fit also keeps the line's mean relative error on the samples it holds there and predicts
 # with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
 BAND_SHRINK = 5.0
+# ... scaled by how noisy the samples are, (s / SHAPE_NOISE)^2 (at least MIN_SHRINK of it): a band's mean over
+# a few quiet samples is a measurement, not a guess. A TP8 baseline's requests (2% scatter) alone were 24% below
+# the line, and six of them shrunk by 5 (and clipped at 2.5 robust deviations around the line, 5%) left the
+# model 28% slow alone: one client went to the speculative server, 12% slower (0.88x).
+SHAPE_NOISE = 0.1
+MIN_SHRINK = 0.04
+# A band's own level (its median deviation from the line) centres the clipping once it has this many samples;
+# before, the clipping is around the line, so one odd request cannot bend a band.
+MIN_BAND_LEVEL = 3
 
 
 def band(n: float) -> int:
-    """The load band of n running requests: 1 -> 0, 2-3 -> 1, 4-7 -> 2, ..., 32-63 -> 5, 64+ -> 6."""
-    return max(int(n), 1).bit_length() - 1
+    """The load band of n running requests: one per request count below 4 (1 -> 0, 2 -> 1, 3 -> 2, to the
+    nearest), then doubling: 4-7 -> 3, 8-15 -> 4, ..., 32-63 -> 6, 64+ -> 7.
+
+    Light load has a band per count because the decisions there are between one, two and three running, and a
+    server is least a straight line there (a speculative server alone runs ~8% faster than a line fitted to
+    busier traffic says). With 2-3 in one band, a model that had samples at 1.7 running and few alone put the
+    TP4 speculative server alone 7% below its speed (the line's error, shrunk toward by the 1.7s), and two
+    clients both went to the baseline (0.96x of one each)."""
+    if n < 3.5:
+        return max(int(n + 0.5), 1) - 1
+    return max(int(n), 4).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +93,7 @@ class SpeedModel:
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
     __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
-                 "last_error", "_since_fit", "shape", "counts")
+                 "last_error", "_since_fit", "shape", "counts", "spread")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
                  prior_weight: float = 20.0) -> None:
@@ -93,6 +110,7 @@ class SpeedModel:
         self._since_fit = 0
         self.shape: tuple[tuple[int, float], ...] = ()
         self.counts: dict[int, int] = {}  # samples held per load band
+        self.spread = 0.0  # robust standard deviation of one request's log(measured / model), shape included
 
     def params(self) -> Params:
         a, b = self.theta
@@ -194,32 +212,50 @@ class SpeedModel:
         self.theta = [a, b]
         self.scale = s
         self._fit_shape(data, ages, a, b, s)
+        self._fit_spread(data)
+
+    def _fit_spread(self, data) -> None:
+        """How far one request's token time scatters around the model (line and shape), robustly (MAD): what
+        the server does to a request beyond its load, e.g. a speculative server's per-request acceptance."""
+        p = self.params()
+        devs = sorted(abs(math.log(y / p.token_time(n))) for n, y in data)
+        self.spread = 1.4826 * devs[len(devs) // 2] if devs else 0.0
 
     def _fit_shape(self, data, ages, a, b, s) -> None:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
-        robust deviations (a stalled request cannot bend a band), shrunk toward the line by BAND_SHRINK
-        samples against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That count does not
+        robust deviations around the band's median (a stalled request cannot bend a band; a band the line
+        misses by 25% is still followed), shrunk toward the line by BAND_SHRINK samples (fewer when the
+        samples are quiet) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That count does not
         fall when all of a band's samples fade alike: a band the traffic left long ago keeps its correction
         instead of falling back on the line, which the busy band alone now sets (shrinking by the faded
         weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
-        acc: dict[int, list[float]] = {}
-        counts: dict[int, int] = {}
-        lim = HUBER * s
+        per: dict[int, list[tuple[float, float]]] = {}
         for (n, y), age in zip(data, ages, strict=True):
-            k = band(n)
-            r = min(max(y / (a + b * n) - 1.0, -lim), lim)
-            got = acc.setdefault(k, [0.0, 0.0, 0.0])
-            got[0] += age
-            got[1] += age * r
-            got[2] += age * age
-            counts[k] = counts.get(k, 0) + 1
-        self.counts = counts
-        shape = []
-        for k, (w, sr, w2) in sorted(acc.items()):
+            per.setdefault(band(n), []).append((y / (a + b * n) - 1.0, age))
+        self.counts = {k: len(v) for k, v in per.items()}
+        lim = HUBER * s
+        shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (s / SHAPE_NOISE) ** 2))
+        got = {}
+        for k, rs in per.items():
+            centre = sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
+            w = sum(age for _, age in rs)
+            w2 = sum(age * age for _, age in rs)
             if w > 0 and w2 > 0:
+                sr = sum(age * min(max(r, centre - lim), centre + lim) for r, age in rs)
                 eff = w * w / w2
-                shape.append((k, 1.0 + (sr / w) * eff / (eff + BAND_SHRINK)))
+                got[k] = 1.0 + (sr / w) * eff / (eff + shrink)
+        # A band between two measured ones takes the factor between theirs, not the line's: a warm-up at 1, 5,
+        # 30 and 100 clients left the TP8 baseline without samples at 8-15 running, where the line (bent 3-11%
+        # either side by the measured bands) was 9% fast, and 10 clients kept one request too many there.
+        shape = []
+        ks = sorted(got)
+        for lo, hi in zip(ks, ks[1:], strict=False):
+            shape.append((lo, got[lo]))
+            for k in range(lo + 1, hi):
+                shape.append((k, got[lo] + (got[hi] - got[lo]) * (k - lo) / (hi - lo)))
+        if ks:
+            shape.append((ks[-1], got[ks[-1]]))
         self.shape = tuple(shape)
 
     def rescale(self, factor: float) -> None:

@@ -128,7 +128,8 @@ def test_a_long_saturated_spell_does_not_erase_what_light_load_taught():
         assert m.params().throughput(n) == pytest.approx(tput(SEED_BASE, n), rel=0.05), n
 
 
-@pytest.mark.parametrize(("n", "want"), [(1, 0), (2, 1), (3, 1), (4, 2), (7, 2), (8, 3), (48, 5), (64, 6), (0.4, 0)])
+@pytest.mark.parametrize(("n", "want"), [(1, 0), (1.4, 0), (1.6, 1), (2, 1), (3, 2), (3.4, 2), (3.6, 3), (4, 3),
+                                         (7, 3), (8, 4), (48, 6), (64, 7), (0.4, 0)])
 def test_load_bands(n, want):
     assert band(n) == want
 
@@ -151,8 +152,13 @@ def test_shape_follows_a_curve_that_is_not_a_line():
         return max(abs(q.token_time(n) / bent(n) - 1) for n in (1, 5, 10, 15, 20, 40, 50))
 
     assert worst(p) < 0.06 and worst(line) > 0.1
-    assert m.band_samples(1) > 50 and m.band_samples(3) == 0
-    assert p.token_time(3) == pytest.approx(line.token_time(3))  # where nothing was measured: the line
+    assert m.band_samples(1) > 50 and m.band_samples(2) == 0 and m.band_samples(3) == 0
+    # Between two measured bands (1 running, 5-7): a factor between theirs, not the line's.
+    f1, f2, f3, f5 = (p.token_time(n) / line.token_time(n) for n in (1, 2, 3, 5))
+    assert f1 > f2 > f3 > f5 and f2 - f3 == pytest.approx(f1 - f2, rel=1e-6)
+    # Beyond the busiest one measured: the line.
+    assert m.band_samples(100) == 0
+    assert p.token_time(100) == pytest.approx(line.token_time(100))
 
 
 def test_a_band_needs_samples_before_it_bends_the_line():
