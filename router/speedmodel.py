@@ -234,11 +234,16 @@ class SpeedModel:
         for (n, y), age in zip(data, ages, strict=True):
             per.setdefault(band(n), []).append((y / (a + b * n) - 1.0, age))
         self.counts = {k: len(v) for k, v in per.items()}
-        lim = HUBER * s
-        shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (s / SHAPE_NOISE) ** 2))
+        centres = {k: sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
+                   for k, rs in per.items()}
+        # The requests' own scatter, within bands (the line's misfit between bands is not noise).
+        within = sorted(abs(r - centres[k]) for k, rs in per.items() if len(rs) >= MIN_BAND_LEVEL for r, _ in rs)
+        noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
+        lim = HUBER * noise
+        shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2))
         got = {}
         for k, rs in per.items():
-            centre = sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
+            centre = centres[k]
             w = sum(age for _, age in rs)
             w2 = sum(age * age for _, age in rs)
             if w > 0 and w2 > 0:
