@@ -294,6 +294,20 @@ def test_adaptive_learns_from_observations_what_the_priors_would_have_said():
     assert state["backends"][0]["uses"] == "instance"
 
 
+def test_a_request_queued_then_drained_teaches_nothing():
+    pol = Adaptive()
+    for key in ("baseline", B1):
+        pol.model(key, "baseline").max_running = 64
+    # started 100th (queued behind 36), ended with few left: mean 60, a mix of queue and a lighter load
+    pol.observe(Observation("baseline", B1, 100, 5, 10.0, 4.0, 500, 50, True, inflight_mean=60.0))
+    assert pol.pool_model("baseline").samples == 0
+    # queued all along (mean above the limit): the token time at the limit, as before
+    pol.observe(Observation("baseline", B1, 100, 90, 10.0, 4.0, 500, 50, True, inflight_mean=95.0))
+    # ran within the limit from the start
+    pol.observe(Observation("baseline", B1, 40, 20, 5.0, 0.1, 500, 50, True, inflight_mean=30.0))
+    assert pol.pool_model("baseline").samples == 2
+
+
 def test_failed_or_unmeasured_exchanges_teach_nothing():
     pol = Adaptive()
     for o in (Observation("baseline", B1, 1, 1, 1.0, 0.1, 100, 50, False),  # error / abort
