@@ -119,6 +119,8 @@ class SweepConfig:
     rounds: int = 4
     min_requests: int = 16
     extra: dict = field(default_factory=dict)
+    # Wall seconds between one target's level and the next (see bench/compare.py, SETTLE_POLLS).
+    settle_s: float = 0.0
 
     def requests_for(self, level: int) -> int | None:
         if self.duration_per_level is not None and self.requests_per_level is None:
@@ -130,7 +132,7 @@ class SweepConfig:
                 "prompts": self.prompts, "requests_per_level": self.requests_per_level,
                 "duration_per_level": self.duration_per_level, "request_rates": self.request_rates,
                 "model": self.model, "speedup": self.speedup, "ignore_eos": self.ignore_eos, "seed": self.seed,
-                "rounds": self.rounds}
+                "rounds": self.rounds, "settle_seconds": self.settle_s}
 
 
 def config_from_args(ns: argparse.Namespace, targets: list[tuple[str, str]]) -> SweepConfig:
@@ -205,6 +207,8 @@ async def run_sweep(cfg: SweepConfig, quiet: bool = False) -> dict[str, list[dic
                             level_timeout=level_cap(n, cfg.duration_per_level, cfg.timeout,
                                                     None if cfg.request_rates else level,
                                                     level * cfg.speedup if cfg.request_rates else None))
+            if cfg.settle_s > 0:
+                await asyncio.sleep(cfg.settle_s)
             bar.start_level(f"{name} {'rate' if cfg.request_rates else 'c'}={level:g}")
             if cfg.request_rates:
                 # The rate is stated in the target's time; its clock runs K times faster than the wall clock.

@@ -34,6 +34,28 @@ async def test_sweep_on_simulators(sim_factory):
     assert results["base"][0]["accept_length"] in (None, 0.0)
 
 
+async def test_sweep_settles_between_targets(sim_factory):
+    # A learned router polls /v1/loads; the level before (another router's) must be gone from its figures
+    # before its own level starts, so every target's level waits settle_s after the one before.
+    spec = await sim_factory("eagle3-tp8", speedup=FAST)
+    base = await sim_factory("baseline-tp8", speedup=FAST)
+    cfg = SweepConfig(targets=[("spec", spec.url), ("base", base.url)], concurrency=[1, 2], max_tokens=8,
+                      requests_per_level=2, speedup=FAST, settle_s=0.3)
+    t0 = time.monotonic()
+    results = await run_sweep(cfg, quiet=True)
+    assert time.monotonic() - t0 >= 4 * 0.3  # 2 levels x 2 targets, each after a pause
+    assert all(f["completed"] == 2 for name in ("spec", "base") for f in results[name])
+    assert cfg.as_dict()["settle_seconds"] == 0.3
+
+
+def test_compare_settles_only_when_a_learned_router_polls():
+    assert compare.settle_seconds(["balanced", "adaptive"]) == compare.SETTLE_POLLS * compare.LOAD_INTERVAL > 0
+    assert compare.settle_seconds(["spillover", "balanced", "balanced-again"]) == 0.0
+    line = compare.warmup_line({"warmup": {}, "settle_seconds": 1.5, "min_requests": 40}, ["balanced", "adaptive"])
+    assert "starts 1.5 s wall after the one before" in line
+    assert "wall after" not in compare.warmup_line({"warmup": {}, "min_requests": 40}, ["adaptive"])
+
+
 async def test_speculative_chunks_carry_several_tokens(sim_factory):
     spec = await sim_factory("eagle3-tp8", speedup=FAST)
     run = await run_closed(LoadSpec(url=spec.url, prompts=load_prompts("coding"), max_tokens=40, requests=3),

@@ -563,6 +563,7 @@ async def test_adaptive_through_the_router(sim_factory, router_factory):
     assert model["baseline"]["samples"] >= 8
     assert model["speculative"]["samples"] >= 2  # tried while cold
     assert model["baseline"]["tok_s_alone"] > model["speculative"]["tok_s_alone"]
+    assert 0 <= model["baseline"]["spread"] < 1  # the per-request scatter around the model (log sd)
     assert router.metric("router_adaptive_samples", pool="baseline") >= 8
     assert router.metric("router_adaptive_alpha_seconds", pool="speculative") > 0
     assert router.metric("router_route_decisions_total", pool="baseline", reason="marginal_gain") >= 8
