@@ -19,8 +19,9 @@ BAND_WINDOW = 128
 REFIT_EVERY = 4
 REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
-# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (band()) the fit also keeps the line's mean relative error on the samples it holds there and predicts
-# with it, shrunk by BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
+# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (band()) the fit
+# also keeps the line's mean relative error on the samples it holds there and predicts with it, shrunk by
+# BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
 # and a line fitted where most traffic runs misjudges the speed alone and near saturation.
 BAND_SHRINK = 5.0
 # ... scaled by how noisy the samples are, (s / SHAPE_NOISE)^2 (at least MIN_SHRINK of it): a band's mean over
@@ -225,10 +226,10 @@ class SpeedModel:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
         robust deviations around the band's median (a stalled request cannot bend a band; a band the line
         misses by 25% is still followed), shrunk toward the line by BAND_SHRINK samples (fewer when the
-        samples are quiet) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That count does not
-        fall when all of a band's samples fade alike: a band the traffic left long ago keeps its correction
-        instead of falling back on the line, which the busy band alone now sets (shrinking by the faded
-        weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
+        samples are quiet) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That
+        count does not fall when all of a band's samples fade alike: a band the traffic left long ago keeps
+        its correction instead of falling back on the line, which the busy band alone now sets (shrinking by
+        the faded weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
         per: dict[int, list[tuple[float, float]]] = {}
         for (n, y), age in zip(data, ages, strict=True):
