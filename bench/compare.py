@@ -401,7 +401,8 @@ def _cfg(ns, targets) -> SweepConfig:
                        prompts=ns.prompts, requests_per_level=ns.requests_per_level,
                        duration_per_level=ns.duration_per_level, model=ns.model, speedup=ns.speedup,
                        timeout=ns.timeout, ignore_eos=ns.ignore_eos, seed=ns.seed,
-                       rounds=ns.rounds, min_requests=ns.min_requests, settle_s=settle_seconds(ns.routed))
+                       rounds=ns.rounds, min_requests=ns.min_requests,
+                       settle_s=settle_seconds(n for n, _ in targets))
 
 
 async def warm_up(url: str, ns) -> dict:
@@ -501,7 +502,8 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
         "speculative_curve": spec_pts, "baseline_curve": base_pts,
         "objective": ns.objective, "command": cmd, "colocated": ns.colocated,
         "deployment": "colocated" if ns.colocated else "split", "min_requests": ns.min_requests,
-        "warmup": warmups, "learned": learned, "single_again": bool(ns.single_again and ns.routed)}
+        "warmup": warmups, "learned": learned, "single_again": bool(ns.single_again and ns.routed),
+        "settle_seconds": settle_seconds(ns.routed)}
     if ns.colocated:
         cfg["kv_share"] = ns.kv_share
     if "global" in mixed:
@@ -536,8 +538,8 @@ def _routed(name: str, router, threshold: int, spec_pts: str, base_pts: str, g_t
     if name in LEARNED:
         # No curves: it learns, from its own requests and the servers' /v1/loads figures.
         objective = "throughput" if name == "adaptive-throughput" else "latency"
-        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval", str(LOAD_INTERVAL),
-                                                     "--objective", objective])
+        return router("adaptive", True, True, None, ["--load-signal", "backend", "--load-interval",
+                                                     str(LOAD_INTERVAL), "--objective", objective])
     raise ValueError(f"no router recipe for configuration {name!r}")
 
 

@@ -170,11 +170,6 @@ class Adaptive:
             return None
         return b.pool
 
-    def spread(self, b: BackendView) -> float:
-        """The published per-request spread of the model behind backend b's decisions (0 while guessed)."""
-        key = self._key(b)
-        return 0.0 if key is None else self.spreads.get(key, 0.0)
-
     def stderr(self, b: BackendView) -> float:
         """Relative standard error of the model's speed for one more request on b: its per-request spread
         over the square root of the samples it holds at that load."""
