@@ -87,8 +87,9 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
 
     The whole duration counts, time to first token included: what the router maximises is closed-loop
     throughput, X = n * tokens / duration (Little's law), so a server slower to start a request (prefill,
-    another request's prefill stalling the batch, a queue) is slower for it. Decode time alone made the
-    speculative model a few percent optimistic against the curves `balanced` routes on."""
+    another request's prefill stalling the batch) is slower for it. Decode time alone made the speculative
+    model a few percent optimistic against the curves `balanced` routes on. A wait in the server's queue is
+    not the server's speed: the model knows the queue from max_running_requests (Params.running)."""
     tokens = obs.completion_tokens
     if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
         return None
@@ -99,17 +100,19 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
     # counts of 5 and 52, or 51 and 2, stood for a request that ran with ~50 nearly all along).
     mean = obs.inflight_mean
     n = max(1.0, mean if mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2)
-    if limit is not None and obs.inflight_at_start > limit >= n:
-        # It waited in the queue at first, then ran while the backend drained: its duration is part queue,
-        # part a lighter load than its mean says, a sample of neither. A warm-up at 100 clients (limit 64) left
-        # such requests (mean 60 running, 40% slower per token than those that ran at 64) as most of the TP8
-        # baseline's 32-63 band: the model put it 25% slow there, and 70 clients gave the speculative server
-        # 25 where its requests then ran 30% slower than the baseline's (0.90x).
-        return None
+    if limit is not None and obs.inflight_at_start > limit:
+        # It waited in the server's queue first: its duration is queue, then decode in a full batch. Only the
+        # decode part, from its first token on, measures the server, and only while the batch stayed full (a
+        # request that ran on into a drain is a sample of no one load). Scaling the whole duration by
+        # limit / n instead (Little's law, right for the mean request) left the requests that had not waited
+        # (every request of a level's first round) `n / limit` too fast: at 100 clients, 71 on the TP8
+        # baseline (limit 64), the model put it 17% faster at 64 than it is, the first round queued 11 on it
+        # where balanced queues 7, and the level ended 6% later (0.94x).
+        if obs.ttft_s is None or obs.inflight_at_end < limit:
+            return None
+        return float(limit), (obs.duration_s - obs.ttft_s) / (tokens - 1)
     if limit is not None and n > limit:
-        # The rest waited in the queue: the server ran `limit` at its throughput X(limit), so this request's
-        # duration per token is n / X(limit) and the token time at `limit` is y * limit / n.
-        y *= limit / n
+        # It ran at once, in a batch of `limit` (the rest waited behind it): the token time at the limit.
         n = float(limit)
     return n, y
 

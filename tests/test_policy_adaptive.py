@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.adaptive import LOW_LOAD_SAMPLES, Adaptive
+from router.adaptive import LOW_LOAD_SAMPLES, Adaptive, sample
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
@@ -294,16 +294,29 @@ def test_adaptive_learns_from_observations_what_the_priors_would_have_said():
     assert state["backends"][0]["uses"] == "instance"
 
 
+@pytest.mark.parametrize("case, at_start, at_end, mean, duration, ttft, want", [
+    # started 100th (queued behind 36), ended with few left: queue, then a lighter load than any one
+    ("queued, then drained", 100, 5, 60.0, 10.0, 4.0, None),
+    # queued, the batch full to its end: its decode from the first token on, at the limit
+    ("queued, full to the end", 100, 90, 95.0, 10.0, 4.0, (64.0, 6.0 / 499)),
+    ("queued, not streamed", 100, 90, 95.0, 10.0, None, None),
+    # ran at once in a full batch (the rest queued behind it): its whole duration, at the limit, not scaled
+    ("ran at once, queue behind", 60, 90, 71.0, 10.0, 0.1, (64.0, 10.0 / 500)),
+    ("ran within the limit", 40, 20, 30.0, 5.0, 0.1, (30.0, 5.0 / 500)),
+])
+def test_what_a_request_says_of_its_server_around_the_queue(case, at_start, at_end, mean, duration, ttft, want):
+    got = sample(Observation("baseline", B1, at_start, at_end, duration, ttft, 500, 50, True, inflight_mean=mean),
+                 64)
+    assert got == (None if want is None else pytest.approx(want)), case
+
+
 def test_a_request_queued_then_drained_teaches_nothing():
     pol = Adaptive()
     for key in ("baseline", B1):
         pol.model(key, "baseline").max_running = 64
-    # started 100th (queued behind 36), ended with few left: mean 60, a mix of queue and a lighter load
     pol.observe(Observation("baseline", B1, 100, 5, 10.0, 4.0, 500, 50, True, inflight_mean=60.0))
     assert pol.pool_model("baseline").samples == 0
-    # queued all along (mean above the limit): the token time at the limit, as before
     pol.observe(Observation("baseline", B1, 100, 90, 10.0, 4.0, 500, 50, True, inflight_mean=95.0))
-    # ran within the limit from the start
     pol.observe(Observation("baseline", B1, 40, 20, 5.0, 0.1, 500, 50, True, inflight_mean=30.0))
     assert pol.pool_model("baseline").samples == 2
 
