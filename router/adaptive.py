@@ -79,6 +79,14 @@ TIE_Z = 2.0
 MAX_TIE = 0.15
 # The published spread moves only by more than this (a refit changes it by a little every few samples).
 SPREAD_BAND = 0.01
+# objective "latency", busier than LOW_LOAD: per-request speeds within NEAR_TIE are a tie there too, and it goes to
+# the backend whose requests scatter less (its model's spread, when the two differ by more than SPREAD_BAND).
+# At equal mean speed the steadier server gives the request the same expected time and a shorter tail; a
+# speculative server's requests each draw their own acceptance (+-12% in the simulator, ~6% sd of their
+# durations at 20 running), a baseline's do not. A recording (seed pair, 70 clients, 2 requests per client):
+# adaptive's models were right to 1% (20 on the speculative server at 75.3 tok/s per request, 50 on the
+# baseline at 75.2), and the level still ended 3-4% after `balanced`'s 19/51, with the speculative requests
+# that drew a low acceptance in both rounds; one request fewer there and they end with the baseline's.
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -182,6 +190,11 @@ class Adaptive:
         held = self.models[key].band_samples(b.load_estimate + 1)
         return self.spreads.get(key, 0.0) / math.sqrt(max(held, 1))
 
+    def spread(self, b: BackendView) -> float:
+        """The published per-request scatter of the model a decision uses for b (0 while it has none)."""
+        key = self._key(b)
+        return 0.0 if key is None else self.spreads.get(key, 0.0)
+
     def tie(self, s_b: BackendView, b_b: BackendView) -> float:
         """How close two per-request speeds are a tie: NEAR_TIE, widened by the models' uncertainty there."""
         return min(MAX_TIE, NEAR_TIE + TIE_Z * math.hypot(self.stderr(s_b), self.stderr(b_b)))
@@ -196,7 +209,11 @@ class Adaptive:
             om = self.models.get(o)
             known = om is not None and (om.samples >= MIN_POOL_SAMPLES or o in self.priors)
             src = self.published[o] if known else Params(*NEUTRAL)
-            return Params(src.alpha, src.beta, self.model(b.pool, b.pool).max_running)
+            # Its shape too: the line alone is not the other model, and a borrowed copy a few percent off the
+            # original (the other server alone 2% faster than its line, say) lost every tie at equal loads,
+            # so this pool never got the samples that would end the borrowing (one router sent 15 requests in
+            # a row to a speculative server 8x slower than the baseline, which had 2 samples).
+            return Params(src.alpha, src.beta, self.model(b.pool, b.pool).max_running, src.shape)
         return self.published[key]
 
     def _fold(self, pool: str, url: str, n: float, y: float) -> None:
@@ -299,6 +316,10 @@ class Adaptive:
               and max(s_b.load_estimate, b_b.load_estimate) < LOW_LOAD
               and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])):
             spec_first = s_score[1] > b_score[1]
+        elif (self.objective == "latency"
+              and abs(s_score[0] - b_score[0]) <= NEAR_TIE * max(s_score[0], b_score[0])
+              and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b))) > SPREAD_BAND):
+            spec_first = s_spread < b_spread
         else:
             spec_first = s_score > b_score
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)

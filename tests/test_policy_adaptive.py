@@ -444,6 +444,45 @@ def test_a_light_load_tie_is_as_wide_as_the_models_are_unsure(noise, alone, pool
     assert d.pool == pool
 
 
+@pytest.mark.parametrize(("spec_mult", "spec_noise", "gap", "pool"), [
+    (1.00, 0.12, (0.0, 0.03), "baseline"),  # a tie (speculative faster by < 3%): the steadier server
+    (1.00, 0.0, (0.0, 0.03), "speculative"),  # a tie, both steady: the rule alone
+    (0.95, 0.12, (0.03, 0.2), "speculative"),  # faster by more than the tie
+])
+def test_a_busy_tie_goes_to_the_server_whose_requests_scatter_less(spec_mult, spec_noise, gap, pool):
+    base = SEED_BASE
+    # The speculative server at 21 running 2.5% faster per request than the baseline at 51 (times spec_mult in
+    # token time); its requests scatter by spec_noise, the baseline's by 1%.
+    t21 = truth(base, 51) * 0.975 * spec_mult
+    spec = (t21 - 21 * 0.0015, 0.0015)
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(11)
+    for _ in range(400):
+        n = rng.choice([15, 18, 20, 21, 22, 25, 30])
+        pol.observe(obs("speculative", S1, n, spec, rng, noise=spec_noise))
+        pol.observe(obs("baseline", B1, n + 30, base, rng, noise=0.01))
+    loads = view(20, 50)
+    sp, bp = pol.params(loads.speculative[0]), pol.params(loads.baseline[0])
+    # What the learned models say: the speculative server faster per request, by less or more than the tie.
+    assert gap[0] < sp.request_speed(20) / bp.request_speed(50) - 1 < gap[1]
+    assert decide(pol, loads, None, random.Random(1)).pool == pool
+
+
+def test_a_pool_still_borrowing_the_other_model_is_exactly_that_model():
+    # The speculative model bent at 1 running (alone 10% faster than its line); the baseline has 2 samples and
+    # borrows it: at equal loads the two are a tie, which the less measured pool gets (it then learns its own).
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(4)
+    for n in [1, 1, 1, 5, 5, 5, 10, 10, 10, 20, 20, 20] * 2:
+        y = truth(SEED_SPEC, n) * (0.9 if n == 1 else 1.0) * (1 + rng.gauss(0, 0.01))
+        pol.observe(Observation("speculative", S1, n, n, y * 100, y, 100, 50, True))
+    for _ in range(2):
+        pol.observe(Observation("baseline", B1, 1, 1, 1.0, 0.01, 100, 50, True))
+    v = view(0, 0)
+    assert pol.params(v.baseline[0]).token_time(1) == pol.params(v.speculative[0]).token_time(1)
+    assert decide(pol, v, None, random.Random(1)).pool == "baseline"
+
+
 def test_cold_start_tries_both_pools_then_follows_the_data():
     pol = Adaptive(explore=0.0)
     rng = random.Random(0)
