@@ -234,6 +234,9 @@ def test_router_service(stack: dict) -> None:
     assert settings.baseline == [f"http://sglang-baseline:{SGLANG_PORT}"]
     assert settings.host == "0.0.0.0"
     assert settings.threshold == int(read_env_example()["ROUTER_THRESHOLD"])
+    # The default policy learns from live traffic and reads the queue and accept length from /v1/loads.
+    assert settings.policy == read_env_example()["ROUTER_POLICY"] == "adaptive"
+    assert settings.load_signal == read_env_example()["ROUTER_LOAD_SIGNAL"] == "backend"
     spec = flags(stack["sglang-speculative"]["command"])
     assert settings.threshold <= int(spec["--max-running-requests"]), "threshold above the EAGLE server's batch cap"
     published = [str(p) for p in router["ports"]]
