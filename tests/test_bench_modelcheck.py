@@ -74,12 +74,14 @@ def test_replay_predicts_each_sample_from_the_earlier_ones_only():
 @pytest.mark.parametrize(("obs", "limit", "want"), [
     # the whole duration over the tokens, first token included: 2.0 / 100 at (4 + 6) / 2 running
     (Observation("speculative", "u", 4, 6, 2.0, 0.2, 100, 10, True), None, (5.0, 0.02)),
-    # 5 in flight, a cap of 3: 2 waited; the server ran 3 at 3 / (5 * 0.02) tok/s, 0.012 s per token each
-    (Observation("speculative", "u", 4, 6, 2.0, 0.2, 100, 10, True), 3, (3.0, 0.012)),
+    # sent 4th to a server that runs 3: it waited, then decoded in a full batch; from its first token on,
+    # (2.0 - 0.2) / 99 s per token, at the cap
+    (Observation("speculative", "u", 4, 6, 2.0, 0.2, 100, 10, True), 3, (3.0, 1.8 / 99)),
     (Observation("speculative", "u", 1, 1, 2.5, 0.5, 100, 10, True), None, (1.0, 0.025)),  # slow start counts
     # ramped from 5 to 52 but ran with 48 on time average: the mean is the load, not (5 + 52) / 2
     (Observation("speculative", "u", 5, 52, 2.0, 0.2, 100, 10, True, 48.0), None, (48.0, 0.02)),
-    (Observation("speculative", "u", 5, 52, 2.0, 0.2, 100, 10, True, 48.0), 40, (40.0, 0.02 * 40 / 48)),
+    # ... sent 5th to a server that runs 40: it ran at once, in a batch that filled: its own time, at the cap
+    (Observation("speculative", "u", 5, 52, 2.0, 0.2, 100, 10, True, 48.0), 40, (40.0, 0.02)),
     (Observation("baseline", "u", 1, 1, 1.0, None, 50, 0, True), None, (1.0, 0.02)),  # not streamed
     (Observation("baseline", "u", 1, 1, 1.0, 0.1, 50, 10, False), None, None),  # failed
     (Observation("baseline", "u", 1, 1, 1.0, 0.1, 1, 1, True), None, None),  # one token says nothing
