@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
+from dataclasses import replace
 
 from router.observe import LoadFigures, Observation
 from router.policy import (
@@ -209,11 +210,11 @@ class Adaptive:
             om = self.models.get(o)
             known = om is not None and (om.samples >= MIN_POOL_SAMPLES or o in self.priors)
             src = self.published[o] if known else Params(*NEUTRAL)
-            # Its shape too: the line alone is not the other model, and a borrowed copy a few percent off the
-            # original (the other server alone 2% faster than its line, say) lost every tie at equal loads,
+            # All of it but the queue limit, shape included: a copy of the line alone was a few percent off the
+            # original (the other server alone 2% faster than its line, say) and lost every tie at equal loads,
             # so this pool never got the samples that would end the borrowing (one router sent 15 requests in
             # a row to a speculative server 8x slower than the baseline, which had 2 samples).
-            return Params(src.alpha, src.beta, self.model(b.pool, b.pool).max_running, src.shape)
+            return replace(src, max_running=self.model(b.pool, b.pool).max_running)
         return self.published[key]
 
     def _fold(self, pool: str, url: str, n: float, y: float) -> None:
