@@ -62,6 +62,16 @@ class PayloadTooLarge(RouterError):
 class NoHealthyBackend(RouterError):
     status, type, code = 503, "service_unavailable", "no_healthy_backend"
 
+    def __init__(self, message: str, *, probes: dict | None = None) -> None:
+        super().__init__(message)
+        self.probes = probes  # per backend: pool, state, last probe result (router.health.report)
+
+    def body(self) -> dict:
+        body = super().body()
+        if self.probes is not None:
+            body["probes"] = self.probes
+        return body
+
 
 class ShuttingDown(RouterError):
     status, type, code = 503, "service_unavailable", "router_shutting_down"
@@ -145,7 +155,7 @@ def translate(request: web.Request, exc: Exception) -> web.StreamResponse:
             err.status, err.type, err.code = exc.status, "invalid_request_error", exc.reason.lower().replace(" ", "_")
         elif cls is NotFound:
             err = NotFound(f"no route for {request.path_qs[:200]!r}; the router serves only /v1/chat/completions, "
-                           "/v1/completions, /v1/models, /health, /ready and /metrics")
+                           "/v1/completions, /v1/models, /health, /ready, /metrics and /router/state")
         elif cls is MethodNotAllowed:
             err = MethodNotAllowed(f"method {request.method} not allowed on {request.path[:200]}")
         elif cls is PayloadTooLarge:

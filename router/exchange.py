@@ -6,7 +6,7 @@ import time
 
 from aiohttp import web
 
-from router import upstream
+from router import health, upstream
 from router.body import read_body, with_usage
 from router.errors import (
     BadRequest,
@@ -31,7 +31,7 @@ from router.observe import (
     Observation,
 )
 from router.policy import POOLS, RETRY
-from router.pools import Lease
+from router.pools import Backend, Lease
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
@@ -345,6 +345,13 @@ async def flush(writer, transport: asyncio.BaseTransport) -> None:
             transport.set_write_buffer_limits(high=high, low=low)
 
 
+def no_backend(backends: list[Backend]) -> NoHealthyBackend:
+    """The 503 for a request no backend can take (a pinned pool fails over, so none at all is routable),
+    naming each backend's state and last probe result."""
+    return NoHealthyBackend(f"no healthy backend: {health.summary(backends)}" if backends else "no healthy backend",
+                            probes=health.report(backends))
+
+
 async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st = request.app[STATE]
     pinned = pinned_pool(request)
@@ -355,7 +362,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
         body = with_usage(body, head)
     got = st.pools.acquire(pinned)
     if got is None:
-        raise NoHealthyBackend("no healthy backend in either pool")
+        raise no_backend(st.pools.backends)
     lease, decision = got
     st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
     ex = Exchange(st, request, lease)

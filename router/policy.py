@@ -23,7 +23,9 @@ RETRY = "retry"
 FASTER = "faster_pool"
 GAIN = "marginal_gain"
 EXPLORE = "explore"
-REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER, GAIN, EXPLORE)
+ONLY = "only_pool"  # only one pool is configured: there was no choice between pools to explain
+REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER, GAIN, EXPLORE, ONLY)
+_POOL_CHOICE = frozenset((BELOW, ABOVE, FAILOVER, FASTER, GAIN))  # reasons that explain a choice between pools
 
 
 class BackendView(Protocol):
@@ -136,7 +138,11 @@ def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -
     X-Router-Pool header) wins over every policy."""
     if pinned is not None:
         return in_pool(view, pinned, PINNED, rng)
-    return policy.decide(view, rng)
+    d = policy.decide(view, rng)
+    if d is not None and d.reason in _POOL_CHOICE and not view.pool(other(d.pool)):
+        # One configured pool: a "threshold" or "failover" reason would describe a choice that was never made.
+        return Decision(d.backend, ONLY)
+    return d
 
 
 class Spillover:

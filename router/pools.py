@@ -31,8 +31,8 @@ clock = time.monotonic  # the in-flight integral's clock (a test sets its own)
 class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
-    __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "_inflight",
-                 "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at")
+    __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
+                 "_inflight", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -44,6 +44,8 @@ class Backend:
         self.ever_probed = False
         self.fails = 0
         self.successes = 0
+        self.last_probe = "not probed yet"  # the last health probe's result in words (/ready, 503 bodies, logs)
+        self.probe: object = None  # router.health's own per-backend bookkeeping (path in use, what it logged)
         self._inflight = 0
         # Request-seconds in flight up to _area_at (the integral of the in-flight count over time): what a lease
         # reads to know the mean load its request ran under, which its start and end counts alone misstate

@@ -177,7 +177,7 @@ async def test_going_down_brings_ejected_backends_back_and_is_logged(raw_backend
     finally:
         await checker.stop()
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"]
-    assert records == [("WARNING", f"backend {last.url} (baseline) is now down"),
+    assert records == [("WARNING", f"backend {last.url} (baseline) is now down: GET /health -> 503"),
                        ("INFO", f"backend {last.url} (baseline) is now up")]
 
 
