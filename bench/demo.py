@@ -3,6 +3,9 @@ alone, the TP4+TP4 split with the router, the co-located pair with the router, T
 sweep of each, and which wins where, in about a minute."""
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,10 +112,30 @@ def main(argv: list[str]) -> int:
     print(figures.render_table(results, gpus=gpus))
     print()
     print(equal.render_text(rows, configs, refs, gpus))
-    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])}, four deployments ({ns.drafter})"
+    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), four deployments ({ns.drafter})"
     paths = write_outputs(ns.out, "demo", cfg.as_dict(), results, title=title, extra=extra, gpus=gpus)
-    print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}  (python -m bench plan {paths[0]})")
+    print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}")
+    print(next_step(paths[0]))
     return 0
+
+
+def next_step(data: Path) -> str:
+    """The `bench plan` line to paste, spelled the way the user's shell reaches this environment: `spec-bench`
+    when the one on PATH is this environment's, else this interpreter by path (scripts/demo.sh's .venv)."""
+    exe = Path(sys.executable)
+    on_path = shutil.which("spec-bench")
+    if on_path and os.path.realpath(Path(on_path).parent) == os.path.realpath(exe.parent):
+        return f"next, what to run on these GPUs by load:\n  spec-bench plan {shlex.quote(str(data))}"
+    rel = os.path.relpath(exe)
+    python = exe if rel.startswith("..") else Path(rel)
+    shown = str(python) if python.is_absolute() or "/" in str(python) else f"./{python}"
+    line = f"next, what to run on these GPUs by load:\n  {shlex.quote(shown)} -m bench plan {shlex.quote(str(data))}"
+    if sys.prefix != sys.base_prefix and (exe.parent / "spec-bench").exists():  # a venv not on PATH
+        venv = os.path.relpath(sys.prefix)
+        venv = sys.prefix if venv.startswith("..") else venv
+        line += (f"\n  (spec-bench is installed in {venv}, not on your PATH; `source {shlex.quote(venv)}/bin/activate` "
+                 "puts it there)")
+    return line
 
 
 def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: int,

@@ -207,18 +207,26 @@ def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[s
     tie_text = f"; ties within the {NOISE:.0%} noise band: {pairs}" if ties else ""
     if len(by_winner) == 1:
         (w, levels), = by_winner.items()
-        where = "at every level measured" if not ties else "at every other level"
-        text = f"verdict: {w} wins on throughput {where} ({_levels(levels)}){tie_text}"
+        if not ties:
+            where = "at every level measured"
+        else:
+            where = "at the one other level" if len(levels) == 1 else "at every other level"
+        text = f"verdict: {w} wins on throughput {where} (c={_levels(levels)}){tie_text}"
         if w in refs:
             ratios = [max((p["throughput_ratio"] for p in row["pairs"] if p["reference"] == w), default=None)
                       for row in rows if row["concurrency"] in levels]
             ratios = [r for r in ratios if r is not None]
             if ratios:
-                text += (f"; the best router configuration reaches {min(ratios):.2f}-{max(ratios):.2f}x "
-                         f"of its throughput there")
+                text += f"; the best router configuration reaches {span(ratios)} of its throughput there"
         return text + suffix
     parts = [f"{w} at c={_levels(levels)}" for w, levels in sorted(by_winner.items(), key=lambda kv: kv[1][0])]
     return "verdict: throughput winner by load: " + "; ".join(parts) + tie_text + suffix
+
+
+def span(values: list[float]) -> str:
+    """`0.88x`, or `0.84-0.91x` when the values differ at two decimals."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
 
 
 def _levels(levels: list[int]) -> str:

@@ -157,7 +157,7 @@ def render(plan: Plan) -> str:
     if not winners:
         top = max(plan.candidates, key=lambda c: max(plan.ratios[c.name].values(), default=0.0))
         r = plan.ratios[top.name]
-        span = f"{min(r.values()):.2f}-{max(r.values()):.2f}x" if r else "-"
+        span = equal.span(list(r.values())) if r else "-"
         lines.append(f"RUN {ref}: nothing measured here beats it at any load "
                      f"(the closest, {top.name}, reaches {span} of its throughput).")
     else:

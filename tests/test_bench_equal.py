@@ -66,7 +66,7 @@ def test_one_winner_everywhere_says_by_how_much():
     gpus = {"split": 8, "tp8": 8}
     rows = equal.judge(results, ["split"], ["tp8"], gpus)
     assert equal.headline(rows, ["split"], ["tp8"], gpus) == (
-        "verdict: tp8 wins on throughput at every level measured (1,10); the best router configuration "
+        "verdict: tp8 wins on throughput at every level measured (c=1,10); the best router configuration "
         "reaches 0.50-0.75x of its throughput there (every deployment here uses 8 GPUs)")
 
 
@@ -76,8 +76,8 @@ def test_a_level_within_the_noise_band_is_a_tie():
     rows = equal.judge(results, ["global"], ["tp8"], gpus)
     assert rows[0]["throughput_winner"] == "global"  # by 0.1%: not a win
     lines = equal.verdict_lines(rows, ["global"], ["tp8"], gpus)
-    assert lines[0] == ("verdict: tp8 wins on throughput at every other level (10); ties within the 3% noise band: "
-                        "global and tp8 at c=1; the best router configuration reaches 0.67-0.67x of its throughput there "
+    assert lines[0] == ("verdict: tp8 wins on throughput at the one other level (c=10); ties within the 3% noise band: "
+                        "global and tp8 at c=1; the best router configuration reaches 0.67x of its throughput there "
                         "(every deployment here uses 8 GPUs)")
     assert lines[1].startswith("c=1: throughput: global and tp8 tie (1.00x, within the 3% noise band)")
     rows = equal.judge({"global": [fig(1, 91.9, 1000)], "tp8": [fig(1, 91.8, 1000)]}, ["global"], ["tp8"], gpus)

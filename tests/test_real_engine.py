@@ -214,3 +214,40 @@ async def test_bench_engines_cli_starts_both_and_stops_on_sigterm(engine_model):
             with pytest.raises(aiohttp.ClientConnectionError):
                 async with s.get(url + HEALTH_PATH):
                     pass
+
+
+async def test_router_with_default_settings_serves_both_engines(engine_pair):
+    """`spec-router serve` with nothing but the two URLs: llama-cpp-python has no /health, so the probes fall
+    back to /v1/models (logged once per engine) and both pools answer, streamed and not."""
+    from bench.procs import start
+
+    urls = {"speculative": engine_pair.speculative.url, "baseline": engine_pair.baseline.url}
+    p = start("router", ["router", "serve", "--speculative", urls["speculative"], "--baseline", urls["baseline"],
+                         "--port", "0"])
+    try:
+        async with aiohttp.ClientSession() as s:
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:  # the first probe round runs at start-up; bounded all the same
+                async with s.get(p.url + "/ready") as r:
+                    body = await r.json()
+                if r.status == 200 and all(body["backends"].values()):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, f"engines never healthy: {body}"
+                await asyncio.sleep(0.2)
+        assert {u: b["last_probe"] for u, b in body["probes"].items()} == {
+            u: "GET /v1/models -> 200" for u in urls.values()}
+        for pool, engine_url in urls.items():
+            async with client(p.url) as c:
+                raw = await c.chat.completions.with_raw_response.create(
+                    model=MODEL_NAME, messages=PROMPT, extra_headers={"X-Router-Pool": pool}, **GREEDY)
+            assert raw.headers["X-Router-Backend"] == engine_url
+            assert raw.parse().choices[0].message.content
+            assert len(await stream_chunks(p.url, {"X-Router-Pool": pool})) > 3
+    finally:
+        rc = p.stop(grace=15)
+    log = "".join(p._stderr)
+    assert rc == 0, log
+    for pool, engine_url in urls.items():
+        assert log.count(f"backend {engine_url} ({pool}) answers GET /health with 404: probing GET /v1/models "
+                         "instead") == 1, log
+    assert "WARNING" not in log, log
