@@ -79,6 +79,11 @@ class HealthChecker:
         st = _state(b)
         was = b.healthy
         path = st.path or s.health_path
+        if path == FALLBACK_PATH and st.path is not None and b.inflight:
+            # On the fallback, a backend serving our requests is not probed: llama-cpp-python's /v1/models waits
+            # for the model lock (a timeout behind any long generation) and, with its default interrupt_requests,
+            # cuts the running stream short. Its own answers are the evidence meanwhile (passive ejection).
+            return
         try:
             async with asyncio.timeout(s.health_timeout):
                 status = await self._get(b, path)

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from router.settings import ConfigError, load_settings
-from tests.fixtures_rawbackend import json_answer
+from tests.fixtures_rawbackend import CHAT_EVENTS, _head, json_answer
 from tests.fixtures_router import CHAT_BODY, poll
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,6 +54,29 @@ async def test_default_probe_falls_back_to_models_once_and_routes(raw_backend_fa
         ("INFO", f"backend {engine.url} (speculative) answers GET /health with {status}: probing GET /v1/models "
                  "instead (set health_path to choose the path)"),
         ("INFO", f"backend {engine.url} (speculative) is now up")]
+
+
+async def test_on_the_fallback_a_backend_serving_our_requests_is_not_probed(raw_backend_factory, router_factory):
+    """llama-cpp-python's /v1/models waits for its model lock and (interrupt_requests, its default) cuts a running
+    stream short: while the router has a request on such a backend, no probe is sent to it."""
+    async def slow_stream(c) -> None:
+        await c.write(_head(200, "text/event-stream", chunked=True))
+        await asyncio.sleep(1.2)  # six probe intervals
+        await c.write_chunked(CHAT_EVENTS)
+        await c.write(b"0\r\n\r\n")
+
+    engine = await raw_backend_factory({"/health": json_answer(404, {}), "/v1/chat/completions": slow_stream})
+    router = await router_factory([engine.url], [])
+    async with aiohttp.ClientSession() as s:
+        before = engine.hits["/v1/models"]
+        async with s.post(router.url + "/v1/chat/completions", json={**CHAT_BODY, "stream": True}) as r:
+            assert r.status == 200
+            body = await r.read()
+        after = engine.hits["/v1/models"]
+    assert b"hi" in body
+    assert after - before <= 1  # at most one probe that was already under way
+    assert await poll(lambda: engine.hits["/v1/models"] >= after + 2, 5)  # probing resumes when it is free
+    assert router.state.pools.backends[0].healthy
 
 
 async def test_an_explicit_health_path_is_never_replaced(raw_backend_factory, router_factory, caplog):
