@@ -1,6 +1,6 @@
 """`python -m bench demo`: the deployments a user chooses between on the same 8 simulated GPUs (TP8 baseline
 alone, the TP4+TP4 split with the router, the co-located pair with the router, TP8 EAGLE-3 alone), a short
-sweep of each, and which wins where, in about a minute."""
+sweep of each, and which wins where, in under a minute."""
 from __future__ import annotations
 
 import os
