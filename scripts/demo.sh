@@ -11,7 +11,7 @@ sys.exit(Path(bench.__file__).resolve().parents[1] != Path.cwd().resolve())' 2>/
   echo "using .venv (the project is installed there)" >&2
 else
   log=.venv/install.log
-  printf 'creating .venv and installing the project with its bench extra (about a minute; log: %s) ' "$log" >&2
+  printf 'creating .venv and installing the project with its bench extra (20-25 s here; log: %s) ' "$log" >&2
   start=$(date +%s)
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -e '.[bench]' >"$log" 2>&1 &
