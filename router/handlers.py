@@ -106,6 +106,8 @@ async def models(request: web.Request) -> web.Response:
         for entry in entries:
             seen.setdefault(entry["id"], entry)
     if not seen:
+        if not backends:  # none is up: say why, as every other 503 of this kind does
+            raise NoHealthyBackend(f"no healthy backend: {summary(st.pools.backends)}", probes=report(st.pools.backends))
         raise NoHealthyBackend("no healthy backend answered /v1/models")
     return web.json_response({"object": "list", "data": list(seen.values())})
 

@@ -64,9 +64,10 @@ async def test_models_with_no_healthy_backend_is_503_with_its_message(raw_backen
     router = await router_factory([down.url], [], wait_ready=False)
     await all_probed(router)
     status, _, raw = await get(router.url + "/v1/models")
-    assert (status, json.loads(raw)) == (503, {"error": {"message": "no healthy backend answered /v1/models",
-                                                         "type": "service_unavailable",
-                                                         "code": "no_healthy_backend"}})
+    assert (status, json.loads(raw)) == (503, {
+        "error": {"message": f"no healthy backend: {down.url} (speculative): down, GET /health -> 503",
+                  "type": "service_unavailable", "code": "no_healthy_backend"},
+        "probes": {down.url: {"pool": "speculative", "state": "down", "last_probe": "GET /health -> 503"}}})
 
 
 async def test_ready_and_health_documents(raw_backend_factory, router_factory):
