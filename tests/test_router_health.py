@@ -66,6 +66,11 @@ async def test_each_probe_outcome_is_counted_and_decides_health(raw_backend_fact
                        slow.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        reset.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        gone.url: {"ok": 0, "failed": 0, "refused": 1, "local": 0}}
+    # each result in words, as /ready, the 503s and the log show it
+    said = {b.url: b.last_probe for b in pools.backends}
+    assert (said[ok.url], said[bad.url], said[slow.url], said[gone.url]) == (
+        "GET /health -> 200", "GET /health -> 503", "GET /health: no answer within 1.5 s", "connection refused")
+    assert said[reset.url].startswith("GET /health: ") and len(said[reset.url]) > len("GET /health: ")
     # one probe each (aiohttp itself sends an idempotent GET again once after a reset: not counted here)
     assert [b.hits["/health"] for b in (ok, bad, slow)] == [1, 1, 1]
 
