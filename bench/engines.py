@@ -100,12 +100,12 @@ class Engine:
 
 
 def engine_args(model: Path, *, speculative: bool, threads: int = 1, n_ctx: int = 2048, seed: int = 0,
-                draft_tokens: int = 10) -> list[str]:
+                draft_tokens: int = 10, interrupt_requests: bool = False) -> list[str]:
     """The stock server's own flags. interrupt_requests off: by default a new request cuts the running stream
     short (it ends with [DONE] as if complete) whenever another one waits, which is wrong behind any router."""
     args = ["--model", str(model), "--model_alias", MODEL_NAME, "--host", "127.0.0.1", "--port", "0",
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--seed", str(seed), "--interrupt_requests", "false", "--verbose", "false",
+            "--seed", str(seed), "--interrupt_requests", str(interrupt_requests).lower(), "--verbose", "false",
             # The GGUF carries no chat template; llama-cpp-python would fall back to llama-2's, whose prompt this
             # model answers with an immediate end of text.
             "--chat_format", "gemma"]

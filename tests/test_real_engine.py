@@ -56,7 +56,7 @@ async def test_non_streaming_answer_identical_through_router_and_direct(engine_p
 async def stream_chunks(url: str, headers: dict | None = None, **extra) -> list[dict]:
     async with client(url) as c:
         stream = await c.chat.completions.create(model=MODEL_NAME, messages=PROMPT, stream=True,
-                                                 extra_headers=headers, **GREEDY, **extra)
+                                                 extra_headers=headers, **{**GREEDY, **extra})
         return [normal(chunk.model_dump()) async for chunk in stream]
 
 
@@ -251,3 +251,16 @@ async def test_router_with_default_settings_serves_both_engines(engine_pair):
         assert log.count(f"backend {engine_url} ({pool}) answers GET /health with 404: probing GET /v1/models "
                          "instead") == 1, log
     assert "WARNING" not in log, log
+
+
+async def test_default_router_never_cuts_a_stream_on_an_engine_with_its_own_defaults(engine_factory, router_factory):
+    """llama-cpp-python as it ships (interrupt_requests true) ends a running stream early, with [DONE], when any
+    other request arrives, and the router's /v1/models fallback probe is such a request. Probing every 0.2 s with
+    the default health_path, a streamed answer through the router must still equal the direct one."""
+    engine = engine_factory(speculative=False, interrupt_requests=True)
+    # Direct first: once the router probes, any stream it does not carry itself is cut (docs/ENGINES.md).
+    direct = await stream_chunks(engine.url, max_tokens=48)
+    router = await router_factory([], [engine.url])
+    assert router.state.pools.backends[0].last_probe == "GET /v1/models -> 200"
+    routed = await stream_chunks(router.url, max_tokens=48)
+    assert len(direct) > 20 and routed == direct
