@@ -177,10 +177,12 @@ def plot(path: Path, runs: dict[str, list[dict]], before: float) -> Path:
     for ax in (a1, a2):
         ax.axvline(before, color="grey", linestyle="--")
         ax.grid(alpha=0.3)
+    a1.set_title("Output throughput")
+    a2.set_title("Tokens served by the speculative pool")
     a1.set_ylabel("output tok/s")
     a2.set_ylabel("speculative share of tokens (%)")
     a2.set_xlabel("simulated seconds (dashed: acceptance drops)")
-    a1.legend()
+    a1.legend(title="router")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

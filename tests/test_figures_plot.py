@@ -56,3 +56,22 @@ def test_plot_writes_that_figure_as_png(tmp_path):
     png = figures.plot(tmp_path / "x.png", {"sim": [_level(1, 10), _level(2, 20)]}, title="t")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert plt.get_fignums() == []  # closed after saving
+
+
+def test_the_drift_plot_is_titled_and_labelled(tmp_path, monkeypatch):
+    from bench import drift
+
+    seen = []
+    real_close = plt.close
+
+    def spy(fig=None):
+        if fig is not None and not isinstance(fig, str):
+            seen.append([(ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes])
+        real_close(fig)
+
+    monkeypatch.setattr(plt, "close", spy)
+    samples = [{"t": t, "tok_s": 100.0 + t, "spec_share": 0.5} for t in range(5)]
+    drift.plot(tmp_path / "d.png", {"adaptive": samples, "balanced": samples}, before=2.0)
+    assert seen == [[("Output throughput", "", "output tok/s"),
+                     ("Tokens served by the speculative pool", "simulated seconds (dashed: acceptance drops)",
+                      "speculative share of tokens (%)")]]
