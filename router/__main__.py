@@ -41,6 +41,22 @@ SHORT_USAGE = (f"{PROG} serve [--speculative URL]... [--baseline URL]... [--conf
                "[--port P] [more flags]")
 
 
+SHORT_HELP = f"""usage: {SHORT_USAGE}
+
+An OpenAI-compatible reverse proxy in front of a speculative and a baseline pool of LLM servers (SGLang, or
+any OpenAI-compatible engine): each request goes to the pool that serves it best at the current load.
+
+commands:
+  serve    run the router (the only command)
+
+examples:
+  {PROG} serve --speculative http://127.0.0.1:30001 --baseline http://127.0.0.1:30002 --policy adaptive
+  {PROG} serve --config deploy/router.example.yaml
+
+Every setting is a flag, a ROUTER_<NAME> env var and a YAML key: {PROG} serve --help lists them all.
+Docs: README.md, docs/ROUTER.md."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     return _parsers()[0]
 
@@ -144,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         _short_usage()  # a bare command is a usage error: stderr, exit 2
         return 2
+    if argv[0] in ("-h", "--help"):
+        print(SHORT_HELP)
+        return 0
     settings = parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
