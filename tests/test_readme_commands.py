@@ -163,3 +163,22 @@ def test_the_example_yaml_matches_the_readme():
     policy_line = next(ln for ln in text.splitlines() if ln.startswith("policy:"))
     assert all(p in policy_line for p in POLICIES), policy_line
     assert "http://127.0.0.1:30001" in readme and "http://127.0.0.1:30000" not in readme
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_land_on_a_file_and_heading():
+    bad = []
+    for path in DOCS:
+        for target, anchor in re.findall(r"\]\(((?:\.\./|docs/)?[\w./-]*\.md)?#([\w-]+)\)", path.read_text()):
+            dest = (path.parent / target).resolve() if target else path
+            if not dest.exists():
+                bad.append(f"{path.name}: {target} missing")
+                continue
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)}
+            if anchor not in slugs:
+                bad.append(f"{path.name}: {target or path.name}#{anchor}")
+    assert not bad, bad
