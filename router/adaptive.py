@@ -345,7 +345,7 @@ class Adaptive:
         self.last_sent[b.pool] = self.decisions
         return Decision(b, reason)
 
-    # ---- what it learned, for /router/state and the metrics
+    # ---- what it learned, for /router/state and the metrics (through state())
     def predicted(self, backends: tuple[BackendView, ...]) -> float:
         """Tok/s the models predict for these backends at their current loads."""
         return sum(self.params(b).throughput(b.load_estimate) for b in backends)
@@ -374,7 +374,8 @@ class Adaptive:
             if not members:
                 continue
             pools[pool] = describe(pool, pool) | {
-                "predicted_tok_s": round(self.predicted(members), 1)}
+                "predicted_tok_s": round(self.predicted(members), 1),
+                "accept_length": self.accept_length(members)}
         backends = [describe(b.url, b.pool) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),

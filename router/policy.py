@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.curves import CurvePoints, request_speed
+from router.observe import LoadFigures, Observation
 
 SPECULATIVE = "speculative"
 BASELINE = "baseline"
@@ -90,11 +91,32 @@ class Decision:
 
 class Policy(Protocol):
     """One routing policy. decide() is called with no await around it, so counts are exact; a policy may keep
-    state between calls (a mode, a cursor, a learned model) but does no I/O."""
+    state between calls (a mode, a cursor, a learned model) but does no I/O. What it learns comes in through
+    observe() (each finished exchange) and observe_loads() (each /v1/loads answer); state() is what it shows of
+    itself (/router/state, and the router_adaptive_* gauges read its "pools" section), None when nothing."""
 
     name: str
 
     def decide(self, view: View, rng: random.Random) -> Decision | None: ...
+
+    def observe(self, obs: Observation) -> None: ...
+
+    def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None: ...
+
+    def state(self, view: View) -> dict | None: ...
+
+
+class Fixed:
+    """The learning hooks of a policy that learns nothing: observations are dropped, there is no state to show."""
+
+    def observe(self, obs: Observation) -> None:
+        return None
+
+    def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
+        return None
+
+    def state(self, view: View) -> dict | None:
+        return None
 
 
 def other(pool: str) -> str:
@@ -139,7 +161,7 @@ def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -
     return policy.decide(view, rng)
 
 
-class Spillover:
+class Spillover(Fixed):
     """Speculate while the speculative pool holds fewer than `threshold` per healthy instance, else baseline."""
 
     name = "spillover"
@@ -157,7 +179,7 @@ class Spillover:
         return in_pool(view, BASELINE, ABOVE, rng)
 
 
-class Global:
+class Global(Fixed):
     """One mode for the whole deployment: speculate while the total in flight is below `threshold`."""
 
     name = "global"
@@ -179,7 +201,7 @@ class Global:
         return in_pool(view, BASELINE, ABOVE, rng)
 
 
-class LeastInflight:
+class LeastInflight(Fixed):
     """The least loaded healthy backend of either pool."""
 
     name = "least-inflight"
@@ -189,7 +211,7 @@ class LeastInflight:
         return Decision(least(cands, rng), LEAST) if cands else None
 
 
-class RoundRobin:
+class RoundRobin(Fixed):
     """Every healthy backend in turn."""
 
     name = "round-robin"
@@ -206,7 +228,7 @@ class RoundRobin:
         return Decision(b, ROUND_ROBIN)
 
 
-class Balanced:
+class Balanced(Fixed):
     """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative),
     on two measured curves of ONE instance each. Greedily equalising per-request speed follows the best
     split as load grows, which no fixed threshold can."""

@@ -8,6 +8,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import exporter
 from router.discovery import endpoint_url, is_name, named_entries, static_entries, system_resolver
 from router.metrics import Metrics
 from router.pools import Pools
@@ -77,8 +78,9 @@ async def test_system_resolver_answers_localhost():
 # ---------------------------------------------------------------- Pools membership
 
 def _pools(registry: CollectorRegistry) -> Pools:
-    return Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy="spillover", threshold=4,
-                 metrics=Metrics(registry))
+    pools = Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy="spillover", threshold=4)
+    exporter.bind(Metrics(registry), pools)
+    return pools
 
 
 def test_removed_backend_with_leases_drains_then_disappears():
