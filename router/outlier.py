@@ -9,7 +9,6 @@ from router.observe import OK
 # Phases are a closed set (metric label values). A backend that fails its health probes is "down" elsewhere;
 # this machine only knows whether the requests it was sent are failing.
 ACTIVE, EJECTED, TRIAL = "active", "ejected", "trial"
-PHASES: tuple[str, ...] = (ACTIVE, EJECTED, TRIAL)
 
 # What one attempt's outcome means for its backend.
 SUCCESS, FAILURE, NEUTRAL = "success", "failure", "neutral"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,6 @@ RETRY = "retry"
 FASTER = "faster_pool"
 GAIN = "marginal_gain"
 EXPLORE = "explore"
-REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER, GAIN, EXPLORE)
 
 
 class BackendView(Protocol):
@@ -249,10 +248,9 @@ class Balanced(Fixed):
 
 
 def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
-          curves: tuple[CurvePoints, CurvePoints] | None = None,
-          adaptive: Callable[[], Policy] | None = None) -> Policy:
-    """The policy object for a settings name. `adaptive` builds the adaptive policy (router.adaptive),
-    which takes its own settings."""
+          curves: tuple[CurvePoints, CurvePoints] | None = None) -> Policy:
+    """The policy object for a settings name; "adaptive" (router.adaptive, with its own settings) is built by
+    router.app.make_policy."""
     if name == "spillover":
         return Spillover(threshold)
     if name == "global":
@@ -265,8 +263,6 @@ def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
         if curves is None:
             raise ValueError("the balanced policy needs both throughput curves")
         return Balanced(curves)
-    if name == "adaptive" and adaptive is not None:
-        return adaptive()
     raise ValueError(f"unknown policy {name!r}")
 
 

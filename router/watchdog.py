@@ -53,7 +53,7 @@ class Watchdog:
     """
 
     __slots__ = ("_loop", "_idle", "_write_timeout", "_tick", "_transport", "_writer", "_resp", "_handle",
-                 "last_chunk", "_sent", "_sent_at", "stalled")
+                 "last_chunk", "_sent", "_sent_at")
 
     def __init__(self, idle: float, write_timeout: float, transport: asyncio.Transport,
                  writer, resp: Response) -> None:
@@ -68,7 +68,6 @@ class Watchdog:
         self.last_chunk = now
         self._sent = -1
         self._sent_at = now
-        self.stalled = False
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(min(idle, self._tick), self._check)
 
     def upstream_done(self) -> None:
@@ -97,7 +96,6 @@ class Watchdog:
             if sent != self._sent:
                 self._sent, self._sent_at = sent, now
             elif now - self._sent_at >= self._write_timeout:
-                self.stalled = True
                 self._transport.abort()
                 return
         else:

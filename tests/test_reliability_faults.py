@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from bench.stress import DISCONNECTED, EXPLICIT, OK, UNACCOUNTED, ClientTally, LoadPlan, drive
+from bench.streams import DISCONNECTED, EXPLICIT, OK, UNACCOUNTED, ClientTally, LoadPlan, drive
 from tests.fixtures_router import poll, set_faults, sim_stats, wait_stat
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3, "health_failure_threshold": 2,
