@@ -1,4 +1,4 @@
-"""`python -m bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
+"""`spec-bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
 from __future__ import annotations
 
 import argparse
