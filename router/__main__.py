@@ -10,12 +10,13 @@ import sys
 import typing
 from typing import NoReturn
 
+from router.cliargs import OneLineParser
 from router.settings import ConfigError, Settings, load_settings
 
 PROG = "spec-router"  # one name in every usage and error line (python -m router runs the same)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     def error(self, message: str) -> NoReturn:
         # One line, exit 2: bad flags are the user's to fix, not a traceback to read.
         self.exit(2, f"{PROG}: error: {message} (see {PROG} serve --help)\n")

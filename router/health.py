@@ -6,6 +6,7 @@ import errno
 import logging
 
 from router import upstream
+from router.errors import PROBE_FAILED, PROBE_OK, Failure
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
@@ -107,27 +108,27 @@ class HealthChecker:
             if upstream.is_local(exc):
                 # Our own trouble (file descriptors, DNS) says nothing about the backend: no verdict.
                 log.warning("health probe of %s not sent: %s", b.url, exc)
-                self.metrics.health_probes.labels(b.url, "local").inc()
+                self.metrics.health_probes.labels(b.url, Failure.LOCAL).inc()
                 return
             # Refused counts like any failed probe: one refusal (a restart) must not take it out alone.
             b.last_probe = describe_connect(exc)
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "refused").inc()
+            self.metrics.health_probes.labels(b.url, Failure.REFUSED).inc()
         except TimeoutError:
             b.last_probe = f"GET {path}: no answer within {s.health_timeout:g} s"
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_FAILED).inc()
         except upstream.TRANSPORT_ERRORS as exc:
             b.last_probe = f"GET {path}: {exc or type(exc).__name__}"
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_FAILED).inc()
         else:
             b.last_probe = result
             if ok:
                 b.probe_ok(s.health_success_threshold)
             else:
                 b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "ok" if ok else "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_OK if ok else PROBE_FAILED).inc()
         self._say(b, st, was)
         if was and not b.healthy:
             self.pools.tick()  # it may have been the last routable one: ejected backends come back now
