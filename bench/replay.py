@@ -181,12 +181,19 @@ class Workload:
         return (self.sessions[-1].at - self.sessions[0].at) if self.sessions else 0.0
 
 
+def conversation(req: TraceRequest) -> int:
+    """Which conversation a line belongs to: its first block after the system prompt every line shares (block 0).
+    Lines of one conversation share that block, so keeping whole conversations keeps their prefix reuse."""
+    return req.hash_ids[1] if len(req.hash_ids) > 1 else req.hash_ids[0]
+
+
 def trace_workload(reqs: list[TraceRequest], path: str, *, limit: int | None, window: tuple[float, float | None],
-                   token_scale: float, num_rounds: int) -> Workload:
+                   token_scale: float, num_rounds: int, sample: int = 1) -> Workload:
     start, end = window
     t0 = reqs[0].timestamp_ms
     chosen = [r for r in reqs if (r.timestamp_ms - t0) / 1000.0 >= start
-              and (end is None or (r.timestamp_ms - t0) / 1000.0 < end)]
+              and (end is None or (r.timestamp_ms - t0) / 1000.0 < end)
+              and (sample == 1 or conversation(r) % sample == 0)]
     if limit is not None:
         chosen = chosen[:limit]
     if not chosen:
@@ -195,7 +202,8 @@ def trace_workload(reqs: list[TraceRequest], path: str, *, limit: int | None, wi
     sessions = [Session(at=(r.timestamp_ms - first) / 1000.0, trace=r, turns=num_rounds, index=i)
                 for i, r in enumerate(chosen)]
     lines = f"lines {chosen[0].line}..{chosen[-1].line}"
-    return Workload("trace", sessions, f"{path} ({len(chosen)} sessions, {lines})", token_scale, num_rounds)
+    kept = "" if sample == 1 else f", one conversation in {sample} (second block id % {sample} == 0)"
+    return Workload("trace", sessions, f"{path} ({len(chosen)} sessions, {lines}{kept})", token_scale, num_rounds)
 
 
 SYNTHETIC_DEFAULTS = {"sessions": 32, "turns": 4, "session_rate": 0.5, "system_prompt_tokens": 2000,
@@ -502,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive(int), help="replay only the first N sessions (after the window)")
     p.add_argument("--window-start", type=_nonneg, default=0.0, help="trace seconds to skip (default 0)")
     p.add_argument("--window-end", type=_positive(float), help="trace seconds to stop at (default: the end)")
+    p.add_argument("--sample-conversations", type=_positive(int), default=1, metavar="M",
+                   help="keep one conversation in M (lines whose second block id %% M == 0): 1/M of the rate with "
+                        "each kept conversation's prefix reuse intact (not a bench_serving flag)")
     p.add_argument("--token-scale", type=_positive(float), default=1.0,
                    help="shrink every prompt, block and output by this factor (small machines); every "
                         "report says so")
@@ -543,7 +554,8 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
         raise BenchInputError(f"--window-end {ns.window_end:g} must be after --window-start {ns.window_start:g}")
     reqs = load_trace(ns.trace)
     return trace_workload(reqs, str(ns.trace), limit=ns.limit, window=(ns.window_start, ns.window_end),
-                          token_scale=ns.token_scale, num_rounds=ns.mooncake_num_rounds)
+                          token_scale=ns.token_scale, num_rounds=ns.mooncake_num_rounds,
+                          sample=ns.sample_conversations)
 
 
 async def replay(ns: argparse.Namespace, wl: Workload) -> dict[str, list[dict]]:
@@ -603,6 +615,7 @@ def main(argv: list[str]) -> int:
     config = {"workload": wl.kind, "description": wl.description, "trace": str(ns.trace) if ns.trace else None,
               "targets": dict(ns.target), "mooncake_slowdown_factor": ns.mooncake_slowdown_factor,
               "mooncake_num_rounds": ns.mooncake_num_rounds, "limit": ns.limit,
+              "sample_conversations": ns.sample_conversations,
               "window": [ns.window_start, ns.window_end], "token_scale": ns.token_scale,
               "token_scale_note": scale_note(ns.token_scale), "speedup": ns.speedup, "model": ns.model,
               "ignore_eos": not ns.disable_ignore_eos, "slo_ttft_ms": ns.slo_ttft, "slo_tpot_ms": ns.slo_tpot,

@@ -127,3 +127,11 @@ async def test_the_trace_through_the_router_reports_cache_hits_and_pool_shares(s
     assert [f["slowdown"] for f in data["results"]["plain"]] == [1.0, 2.0]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "replay.png").stat().st_size > 0
+
+
+def test_sampling_conversations_keeps_whole_conversations():
+    lines = [replay.TraceRequest(t, 600, 1, ids, i) for i, (t, ids) in enumerate(
+        [(0, (0, 20)), (0, (0, 21)), (1000, (0, 20, 5)), (2000, (0, 40)), (3000, (0, 21, 6))], 1)]
+    wl = replay.trace_workload(lines, "t", limit=None, window=(0.0, None), token_scale=1.0, num_rounds=1, sample=20)
+    assert [s.trace.line for s in wl.sessions] == [1, 3, 4] and "one conversation in 20" in wl.description
+    assert [s.at for s in wl.sessions] == [0.0, 1.0, 2.0]
