@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.

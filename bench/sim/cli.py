@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds during which /health is 503")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the per-request accept lengths and injected errors (default 0)")
+    p.add_argument("--max-total-tokens", type=int, help="KV capacity in tokens, shared by running requests and "
+                   "the prefix cache (SGLang's max_total_num_tokens; default: the profile's)")
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (every prompt token "
+                   "prefilled, 0 cached), as SGLang's flag")
+    p.add_argument("--enable-cache-report", action="store_true", help="report usage.prompt_tokens_details."
+                   "cached_tokens, as SGLang's flag (off by default there too)")
     c = p.add_argument_group("co-location (two servers time-sharing the same GPUs, in this one process)")
     c.add_argument("--colocated-with", metavar="PROFILE", help="also run a second server with this profile (built-in "
                    "name or .json file) on the same simulated GPUs; prints a second 'listening on' line")
@@ -72,10 +78,13 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
         raise ValueError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
+    if args.max_total_tokens is not None and args.max_total_tokens < 1:
+        raise ValueError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
     common = dict(model=args.model, speedup=args.speedup, max_running_requests=args.max_running_requests,
-                  max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay, seed=args.seed)
+                  max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay, seed=args.seed,
+                  disable_radix_cache=args.disable_radix_cache, enable_cache_report=args.enable_cache_report)
     if args.colocated_with is None:
-        return [SimConfig(profile=profile, faults=faults, **common)]
+        return [SimConfig(profile=profile, faults=faults, max_total_tokens=args.max_total_tokens, **common)]
     other = profile_ref(args.colocated_with)
     if other.tp_size != profile.tp_size:
         raise ValueError(f"--colocated-with: both servers share the same GPUs, but {profile.name} is TP"
@@ -87,7 +96,9 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
     if args.port_b is not None and not 0 <= args.port_b <= 65535:
         raise ValueError(f"--port-b must be 0..65535, got {args.port_b}")
     shares = (args.kv_share, 1.0 - args.kv_share)
-    return [SimConfig(profile=prof, faults=faults.model_copy(), max_total_tokens=max(1, int(prof.max_total_num_tokens * f)),
+    # --max-total-tokens: the KV both servers' memory shares split (default: each profile's own capacity)
+    return [SimConfig(profile=prof, faults=faults.model_copy(),
+                      max_total_tokens=max(1, int((args.max_total_tokens or prof.max_total_num_tokens) * f)),
                       **common) for prof, f in zip((profile, other), shares, strict=True)]
 
 
