@@ -1,4 +1,5 @@
-"""The HTTP/1.1 client to backends (keep-alive pools) and the one place where transport errors become router errors."""
+"""The HTTP/1.1 client to backends: keep-alive pools, both connection limits (per backend, total), the connect
+deadline, and the one place where transport exceptions become router errors."""
 from __future__ import annotations
 
 import asyncio
