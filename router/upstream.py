@@ -11,6 +11,7 @@ import time
 from urllib.parse import urlsplit
 
 from router.errors import (
+    Failure,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -56,23 +57,22 @@ def is_local(exc: BaseException) -> bool:
 def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
     """Translate a transport exception into the router's hierarchy; the only place that does so."""
     if isinstance(exc, ConnectTimeout):
-        err = UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
+        err = UpstreamTimeout(f"connecting to backend {backend} timed out", kind="connect_timeout")
         err.retryable = True  # the request never left: another backend may take it
         return err
     if isinstance(exc, TimeoutError):
-        what = "first byte" if phase != IDLE else "next chunk"
-        return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
+        return UpstreamTimeout.silent(backend, Failure(f"{phase}_timeout"))
     if isinstance(exc, ConnectFailed):
         reason = exc.os_error.strerror or exc.os_error
         if is_local(exc):
-            return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason}", backend=backend)
-        return UpstreamConnectError(f"cannot connect to backend {backend}: {reason}", backend=backend)
+            return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason}")
+        return UpstreamConnectError(f"cannot connect to backend {backend}: {reason}")
     if isinstance(exc, ConnectionError) or (got_headers and isinstance(exc, ProtocolError)):
-        err = UpstreamDisconnected(f"backend {backend} closed the connection", backend=backend)
+        err = UpstreamDisconnected(f"backend {backend} closed the connection")
         # Nothing was received, so nothing reached the client: as safe to retry as a refusal.
         err.retryable = not got_headers
         return err
-    return UpstreamError(f"backend {backend} failed: {type(exc).__name__}", backend=backend)
+    return UpstreamError(f"backend {backend} failed: {type(exc).__name__}")
 
 
 class Endpoint:
