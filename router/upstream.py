@@ -95,7 +95,6 @@ class Endpoint:
         while idle:
             conn = idle.pop()  # the newest: the one least likely to have been closed by the backend
             if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
-                conn.reused = True
                 return conn
             conn.close()
         return None
@@ -141,7 +140,6 @@ class Client:
         self._slots = Gate(max_connections)
         self._ssl: ssl.SSLContext | None = None
         self._loop = asyncio.get_running_loop()
-        self.closed = False
 
     def endpoint(self, url: str) -> Endpoint:
         ep = self._endpoints.get(url)
@@ -206,7 +204,6 @@ class Client:
 
     def close(self) -> None:
         """Close the idle connections; responses still open close with their exchanges."""
-        self.closed = True
         for ep in self._endpoints.values():
             for conn in ep.idle:
                 conn.close()
