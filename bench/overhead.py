@@ -225,8 +225,8 @@ async def measure(t: Target, backend_url: str, ns: argparse.Namespace) -> dict:
             out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
     if "stream" in points:
         await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
-        out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens), 1,
-                                          ns.duration, ns.warmup)
+        out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens),
+                                          ns.stream_clients, ns.duration, ns.warmup)
         await set_mode(backend_url, pace_ms=0, hold_s=0)
     if "long" in points:
         out["long"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.long_tokens),
@@ -357,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=64, help="the high concurrency level (default 64)")
     p.add_argument("--pace-ms", type=float, default=5.0, help="gap between tokens of the TTFB stream (default 5)")
     p.add_argument("--stream-tokens", type=int, default=8, help="tokens per TTFB stream (default 8)")
+    p.add_argument("--stream-clients", type=int, default=1,
+                   help="concurrent keep-alive clients of the TTFB point (default 1)")
     p.add_argument("--long-tokens", type=int, default=4000, help="tokens per long stream (default 4000)")
     p.add_argument("--long-streams", type=int, default=8, help="concurrent long streams (default 8)")
     p.add_argument("--idle-streams", type=int, default=500, help="open idle streams for memory (default 500; 0: skip)")
@@ -375,8 +377,10 @@ def _check(ns: argparse.Namespace) -> str | None:
         return "--duration must be > 0 and --warmup >= 0"
     if ns.repeat < 1:
         return "--repeat must be >= 1"
-    if min(ns.concurrency, ns.stream_tokens, ns.long_tokens, ns.long_streams) < 1 or ns.idle_streams < 0:
-        return "--concurrency, --stream-tokens, --long-tokens, --long-streams must be >= 1, --idle-streams >= 0"
+    if min(ns.concurrency, ns.stream_tokens, ns.stream_clients, ns.long_tokens, ns.long_streams) < 1 \
+            or ns.idle_streams < 0:
+        return ("--concurrency, --stream-tokens, --stream-clients, --long-tokens, --long-streams must be >= 1, "
+                "--idle-streams >= 0")
     if ns.pace_ms < 0:
         return "--pace-ms must be >= 0"
     bad = set(ns.targets) - {"direct", "router", PEER}
@@ -422,7 +426,8 @@ def run(ns: argparse.Namespace) -> dict:
     notes += [f"{os.cpu_count()} cores; {layout}; one fake SGLang backend (bench.fastbackend); "
               f"{ns.duration:g} s per point after {ns.warmup:g} s warm-up; keep-alive connections; "
               f"{ns.repeat} interleaved repeat(s), medians shown, ratios from medians"]
-    how = {"stream": f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, c=1",
+    how = {"stream": f"stream TTFB: {ns.stream_tokens} tokens, one every {ns.pace_ms:g} ms, "
+                     f"c={ns.stream_clients}",
            "long": f"chunks/s: {ns.long_streams} streams of {ns.long_tokens} tokens as fast as the backend writes "
                    "them (SSE events received by the client per second)",
            "idle": f"memory: proxy RSS growth from {ns.idle_streams // 2} to {2 * (ns.idle_streams // 2)} open "
@@ -434,7 +439,8 @@ def run(ns: argparse.Namespace) -> dict:
         notes.append("errors during measurement: " + ", ".join(f"{n} {e}" for n, e in errors.items() if e))
     return {"config": {"duration_s": ns.duration, "warmup_s": ns.warmup, "repeat": ns.repeat,
                        "concurrency": ns.concurrency,
-                       "pace_ms": ns.pace_ms, "stream_tokens": ns.stream_tokens, "long_tokens": ns.long_tokens,
+                       "pace_ms": ns.pace_ms, "stream_tokens": ns.stream_tokens, "stream_clients": ns.stream_clients,
+                       "long_tokens": ns.long_tokens,
                        "long_streams": ns.long_streams, "idle_streams": ns.idle_streams,
                        "points": ns.points, "router_policy": ns.router_policy, "peer_policy": ns.peer_policy,
                        "cpus": {k: sorted(v) if v else None for k, v in cpus.items()}, "cores": os.cpu_count(),

@@ -200,8 +200,9 @@ class ClientTally:
 
 
 @dataclass
-class LoadPlan:
-    url: str
+class LoadShape:
+    """How many streams, for how long, and how they behave (bench stress's flags set these)."""
+
     streams: int
     duration: float
     max_requests: int
@@ -209,8 +210,17 @@ class LoadPlan:
     disconnect_fraction: float
     request_timeout: float
     ramp: float
+
+
+@dataclass
+class LoadPlan(LoadShape):
+    url: str = ""  # required (a default only because LoadShape's fields come first)
     prompts: str = "general"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ValueError("LoadPlan needs the router's url")
 
 
 async def drive(plan: LoadPlan, tally: ClientTally, stop: asyncio.Event | None = None) -> None:

@@ -22,6 +22,7 @@ from bench.streams import (
     UNACCOUNTED,
     ClientTally,
     LoadPlan,
+    LoadShape,
     ProcSampler,
     drive,
     read_router,
@@ -33,14 +34,7 @@ from bench.streams import (
 # ---- the run -------------------------------------------------------------------------------------
 
 @dataclass
-class StressConfig:
-    streams: int
-    duration: float
-    max_requests: int
-    max_tokens: int
-    disconnect_fraction: float
-    request_timeout: float
-    ramp: float
+class StressConfig(LoadShape):
     speedup: float
     sims_per_pool: int
     max_running: int

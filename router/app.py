@@ -38,10 +38,10 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
                   outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
-    exporter.bind(metrics, pools, limits)
+    gauges = exporter.bind(metrics, pools, limits)
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
-                     resolver=resolver)
+                     resolver=resolver, gauges=gauges)
     app = web.Application(middlewares=[handlers.edge],
                           client_max_size=settings.max_body_bytes, handler_args=_handler_args(settings))
     app[STATE] = st
@@ -127,6 +127,8 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
     async def probe_new(b: Backend) -> None:
         # Its connection limit first: a newcomer is not routable before this probe passes.
         st.limits.add(b.url)
+        if st.gauges is not None:
+            st.gauges.limited(b)
         if st.health is not None and st.health.client is not None:
             await st.health.probe(b)
 

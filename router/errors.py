@@ -105,10 +105,6 @@ class UpstreamError(RouterError):
     failure = Failure.DISCONNECTED
     retryable = False
 
-    def __init__(self, message: str, *, backend: str) -> None:
-        super().__init__(message)
-        self.backend = backend
-
 
 class UpstreamConnectError(UpstreamError):
     code, kind, failure, retryable = "backend_unreachable", "connect", Failure.REFUSED, True
@@ -129,10 +125,16 @@ class UpstreamDisconnected(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status, type, code = 504, "timeout_error", "upstream_timeout"
 
-    def __init__(self, message: str, *, backend: str, kind: str) -> None:
-        super().__init__(message, backend=backend)
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
         self.failure = Failure(kind)  # CONNECT_TIMEOUT | FIRST_BYTE_TIMEOUT | IDLE_TIMEOUT
         self.kind = self.failure.value
+
+    @classmethod
+    def silent(cls, backend: str, failure: Failure) -> UpstreamTimeout:
+        """The backend sent no first byte (FIRST_BYTE_TIMEOUT) or no next chunk (IDLE_TIMEOUT) within its deadline."""
+        what = "next chunk" if failure == Failure.IDLE_TIMEOUT else "first byte"
+        return cls(f"backend {backend} sent no {what} in time", kind=failure)
 
 
 def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:

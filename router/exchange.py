@@ -110,8 +110,7 @@ class Exchange:
     def first_byte_timeout(self) -> UpstreamError:
         """first_byte_timeout ran out (router.watchdog.FirstByteDeadline) on the backend tried last."""
         url = self.lease.backend.url
-        err = UpstreamTimeout(f"backend {url} sent no first byte in time", backend=url,
-                              kind=Failure.FIRST_BYTE_TIMEOUT)
+        err = UpstreamTimeout.silent(url, Failure.FIRST_BYTE_TIMEOUT)
         self.upstream_failed(err)
         return err
 

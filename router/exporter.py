@@ -26,9 +26,12 @@ class PoolGauges(PoolEvents):
                 lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
         for reason in EJECT_REASONS:
             m.ejections.labels(b.pool, b.url, reason)
+
+    def limited(self, b: Backend) -> None:
+        """`b` has its place in the connection limits (router.upstream.Limits): show the requests waiting there."""
         if self.limits is not None:
-            limits = self.limits  # a joined backend's place in it comes right after (app's probe_new)
-            m.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting.get(u, 0))
+            limits = self.limits
+            self.m.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting[u])
 
     def left(self, b: Backend) -> None:
         m = self.m
@@ -53,6 +56,7 @@ def bind(metrics: Metrics, pools: Pools, limits: Limits | None = None) -> PoolGa
     events = PoolGauges(metrics, limits)
     for b in pools.backends:
         events.joined(b)
+        events.limited(b)
     metrics.threshold.set(pools.threshold)
     for pool in POOLS:
         metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in pools.backends))

@@ -139,7 +139,7 @@ class Connection(asyncio.Protocol):
     """The socket's side: one request at a time, the response parsed incrementally (no copy of a body chunk
     beyond the slice that removes its framing)."""
 
-    __slots__ = ("loop", "transport", "endpoint", "resp", "closed", "keep_alive", "reused", "idle_since", "got_bytes",
+    __slots__ = ("loop", "transport", "endpoint", "resp", "closed", "keep_alive", "idle_since", "got_bytes",
                  "_buf", "_state", "_left", "_paused")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -149,7 +149,6 @@ class Connection(asyncio.Protocol):
         self.resp: Response | None = None
         self.closed = False
         self.keep_alive = True
-        self.reused = False
         self.idle_since = 0.0
         self.got_bytes = False  # any byte of the current response
         self._buf = b""

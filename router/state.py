@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.discovery import Discovery, Resolver
+from router.exporter import PoolGauges
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.pools import Pools
@@ -28,6 +29,7 @@ class RouterState:
     acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
     resolver: Resolver | None = field(default=None, repr=False)  # discovery's DNS seam (None: the system's)
     discovery: Discovery | None = None
+    gauges: PoolGauges | None = field(default=None, repr=False)  # binds the gauges of a backend that joins
 
 
 STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)

@@ -1,4 +1,5 @@
-"""The HTTP/1.1 client to backends (keep-alive pools) and the one place where transport errors become router errors."""
+"""The HTTP/1.1 client to backends: keep-alive pools, both connection limits (per backend, total), the connect
+deadline, and the one place where transport exceptions become router errors."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import time
 from urllib.parse import urlsplit
 
 from router.errors import (
+    Failure,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -55,23 +57,22 @@ def is_local(exc: BaseException) -> bool:
 def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
     """Translate a transport exception into the router's hierarchy; the only place that does so."""
     if isinstance(exc, ConnectTimeout):
-        err = UpstreamTimeout(f"connecting to backend {backend} timed out", backend=backend, kind="connect_timeout")
+        err = UpstreamTimeout(f"connecting to backend {backend} timed out", kind="connect_timeout")
         err.retryable = True  # the request never left: another backend may take it
         return err
     if isinstance(exc, TimeoutError):
-        what = "first byte" if phase != IDLE else "next chunk"
-        return UpstreamTimeout(f"backend {backend} sent no {what} in time", backend=backend, kind=f"{phase}_timeout")
+        return UpstreamTimeout.silent(backend, Failure(f"{phase}_timeout"))
     if isinstance(exc, ConnectFailed):
         reason = exc.os_error.strerror or exc.os_error
         if is_local(exc):
-            return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason}", backend=backend)
-        return UpstreamConnectError(f"cannot connect to backend {backend}: {reason}", backend=backend)
+            return UpstreamLocalError(f"the router could not connect to backend {backend}: {reason}")
+        return UpstreamConnectError(f"cannot connect to backend {backend}: {reason}")
     if isinstance(exc, ConnectionError) or (got_headers and isinstance(exc, ProtocolError)):
-        err = UpstreamDisconnected(f"backend {backend} closed the connection", backend=backend)
+        err = UpstreamDisconnected(f"backend {backend} closed the connection")
         # Nothing was received, so nothing reached the client: as safe to retry as a refusal.
         err.retryable = not got_headers
         return err
-    return UpstreamError(f"backend {backend} failed: {type(exc).__name__}", backend=backend)
+    return UpstreamError(f"backend {backend} failed: {type(exc).__name__}")
 
 
 class Endpoint:
@@ -94,7 +95,6 @@ class Endpoint:
         while idle:
             conn = idle.pop()  # the newest: the one least likely to have been closed by the backend
             if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
-                conn.reused = True
                 return conn
             conn.close()
         return None
@@ -140,7 +140,6 @@ class Client:
         self._slots = Gate(max_connections)
         self._ssl: ssl.SSLContext | None = None
         self._loop = asyncio.get_running_loop()
-        self.closed = False
 
     def endpoint(self, url: str) -> Endpoint:
         ep = self._endpoints.get(url)
@@ -205,7 +204,6 @@ class Client:
 
     def close(self) -> None:
         """Close the idle connections; responses still open close with their exchanges."""
-        self.closed = True
         for ep in self._endpoints.values():
             for conn in ep.idle:
                 conn.close()
