@@ -21,13 +21,13 @@ class FitError(ValueError):
     """Bad input for a fit; the message is one line for the CLI."""
 
 
-@lru_cache(maxsize=64)
-
 def _prompt(prompt_tokens: float) -> tuple[int, int]:
     """(tokens, causal attention pairs) of one uncached prompt's prefill, for Profile.prefill_ms."""
     n = int(round(prompt_tokens))
     return n, n * (n + 1) // 2
 
+
+@lru_cache(maxsize=64)
 def expected_steps(tokens: int, accept_length: float, num_steps: int) -> float:
     """Expected decode steps to produce `tokens` tokens when each step gains 1..num_steps+1 of them."""
     if accept_length <= 1.0:
