@@ -14,7 +14,7 @@ TRACE=${TRACE:-../shared/data/mooncake/conversation_trace_first_30min.jsonl}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 echo "load average at start: $(cat /proc/loadavg)" | tee "$OUT/loadavg.txt"
-read -r BASE_KV SPEC_KV < <($PY - <<'PYEOF'
+read -r BASE_KV SPEC_KV < <($PY - 2>"$OUT/memory.txt" <<'PYEOF'
 from bench.sim import memory as m
 fits = m.fit_all(m.KIMI_K25, m.SEED_BOX)
 print(fits["tp-baseline"].servers[0].max_total_num_tokens, fits["tp-eagle3"].servers[0].max_total_num_tokens)
@@ -22,7 +22,8 @@ import sys
 for name in ("split", "colocated"):
     print(f"{name}: {fits[name].reason}", file=sys.stderr)
 PYEOF
-) 2> >(tee "$OUT/memory.txt" >&2)
+)
+cat "$OUT/memory.txt"
 echo "KV budgets (max_total_num_tokens): tp8-baseline $BASE_KV, tp8-eagle3 $SPEC_KV" | tee -a "$OUT/loadavg.txt"
 pids=()
 start_sim() {  # name profile extra-flags...
