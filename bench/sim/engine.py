@@ -567,7 +567,7 @@ class Engine:
             req = self.waiting[0]
             matched, node = 0, None
             if cache is not None and req.key is not None and req.prompt_tokens > 1:
-                matched, node = cache.match_prefix(req.key[:req.prompt_tokens - 1])
+                matched, node = cache.match_prefix(req.key, req.prompt_tokens - 1)  # no copy of the key
                 cache.lock(node)
             need = req.prompt_tokens - matched + len(req.tokens)
             free = self.max_total_tokens - self.reserved_tokens - self.cache_size()

@@ -22,6 +22,12 @@ class FitError(ValueError):
     """Bad input for a fit; the message is one line for the CLI."""
 
 
+def _prompt(prompt_tokens: float) -> tuple[int, int]:
+    """(tokens, causal attention pairs) of one uncached prompt's prefill, for Profile.prefill_ms."""
+    n = int(round(prompt_tokens))
+    return n, n * (n + 1) // 2
+
+
 @lru_cache(maxsize=64)
 def expected_steps(tokens: int, accept_length: float, num_steps: int) -> float:
     """Expected decode steps to produce `tokens` tokens when each step gains 1..num_steps+1 of them."""
@@ -64,7 +70,7 @@ def predict(profile: Profile, concurrency: int, max_tokens: int, prompt_tokens: 
     steps = 1 + mean_steps(profile, max_tokens - 1, length)
     # each request's cycle holds its own decode steps plus one admission (prefill) per batch slot
     step = profile.step_ms(n) + kv_ms(profile, n, max_tokens, prompt_tokens)
-    cycle_ms = steps * step + n * profile.prefill_ms(int(round(prompt_tokens)))
+    cycle_ms = steps * step + n * profile.prefill_ms(*_prompt(prompt_tokens))
     return n * max_tokens / (cycle_ms / 1000.0)
 
 
@@ -119,7 +125,7 @@ def _solve(rows, cap, base: Profile, max_tokens, prompt_tokens, quadratic) -> Pr
     for c, thr in rows:
         n = min(c, cap)
         cycle_ms = n * max_tokens / thr * 1000.0
-        step = (cycle_ms - n * base.prefill_ms(int(round(prompt_tokens)))) / steps - kv_ms(base, n, max_tokens,
+        step = (cycle_ms - n * base.prefill_ms(*_prompt(prompt_tokens))) / steps - kv_ms(base, n, max_tokens,
                                                                                             prompt_tokens)
         if step <= 0:
             return None
@@ -182,7 +188,7 @@ def _minimax(prof: Profile, rows, max_tokens, prompt_tokens, quadratic: bool) ->
 
     length = prof.accept_length_general if prof.speculative else 1.0
     steps = 1 + mean_steps(prof, max_tokens - 1, length)
-    prefill = prof.prefill_ms(int(round(prompt_tokens)))
+    prefill = prof.prefill_ms(*_prompt(prompt_tokens))
     # (batch size, measured, kv part of the step) per row: predict() without building a Profile each time
     data = [(min(c, cap), v, kv_ms(prof, min(c, cap), max_tokens, prompt_tokens)) for c, v in rows]
 
@@ -222,7 +228,7 @@ def step_points(rows, prof: Profile, max_tokens: int, prompt_tokens: float) -> l
     for c, thr in rows:
         n = min(c, prof.max_running_requests)
         cycle_ms = n * max_tokens / thr * 1000.0
-        by_n.setdefault(n, []).append((cycle_ms - n * prof.prefill_ms(int(round(prompt_tokens)))) / steps
+        by_n.setdefault(n, []).append((cycle_ms - n * prof.prefill_ms(*_prompt(prompt_tokens))) / steps
                                       - kv_ms(prof, n, max_tokens, prompt_tokens))
     return [(n, round(sum(v) / len(v), 4)) for n, v in sorted(by_n.items())]
 

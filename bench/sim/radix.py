@@ -22,9 +22,9 @@ class Node:
         self.last_access = last_access
 
 
-def _common_len(edge: list[Token], key: Sequence[Token], start: int) -> int:
-    """How many leading tokens of `edge` equal key[start:]; slice compares run in C, a bisection finds a split."""
-    n = min(len(edge), len(key) - start)
+def _common_len(edge: list[Token], key: Sequence[Token], start: int, end: int) -> int:
+    """How many leading tokens of `edge` equal key[start:end]; slice compares run in C, a bisection finds a split."""
+    n = min(len(edge), end - start)
     if edge[:n] == key[start:start + n]:
         return n
     lo, hi = 0, n - 1  # edge[:lo] matches; edge[:hi + 1] does not
@@ -61,16 +61,17 @@ class RadixCache:
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
-    def match_prefix(self, key: Sequence[Token]) -> tuple[int, Node]:
-        """(matched tokens, the node where the match ends); refreshes the path's LRU time."""
+    def match_prefix(self, key: Sequence[Token], limit: int | None = None) -> tuple[int, Node]:
+        """(matched tokens of key[:limit], the node where the match ends); refreshes the path's LRU time."""
         now = next(self._clock)
         node, i = self.root, 0
         node.last_access = now
-        while i < len(key):
+        end = len(key) if limit is None else min(limit, len(key))
+        while i < end:
             child = node.children.get(key[i])
             if child is None:
                 break
-            n = _common_len(child.key, key, i)
+            n = _common_len(child.key, key, i, end)
             partial = n < len(child.key)
             if partial:
                 child = self._split(child, n)
@@ -92,7 +93,7 @@ class RadixCache:
                 node.children[key[i]] = leaf
                 self.evictable_size += len(leaf.key)
                 return i, leaf
-            n = _common_len(child.key, key, i)
+            n = _common_len(child.key, key, i, len(key))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
