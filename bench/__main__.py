@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
+    "gpu": ("bench.gpu.cli", "GPU micro-benchmarks (PyTorch + CUDA): step cost vs tokens, context, prompt; TP scaling"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
 EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers", "llama_cpp": "engine",
