@@ -73,7 +73,10 @@ def launch(out: str, world: int, links: list[str], layers: int, quick: bool) -> 
            "links": {"nvlink": "NCCL defaults (peer access; NVLink where the GPUs have it)",
                      "nop2p": "NCCL_P2P_DISABLE=1: through host memory, a stand-in for PCIe GPUs without peer "
                               "access, not a PCIe measurement"},
-           "allreduce": [], "stack": [], "split": [], "errors": [], "env": {}}
+           "allreduce": [], "stack": [], "split": [], "errors": [], "env": {},
+           "tp1_note": ("at world size 1 NCCL's all-reduce launches no kernel (the captured graph is empty): its "
+                        "'latency' is graph-replay overhead, and both link settings are the same one GPU")
+           if world == 1 else None}
     for link in links:
         link_env(link)
         tmp = tempfile.mkdtemp(prefix="tpbench")
@@ -81,7 +84,7 @@ def launch(out: str, world: int, links: list[str], layers: int, quick: bool) -> 
             mp.spawn(_worker, args=(world, _free_port(), link, layers, quick, tmp), nprocs=world, join=True)
         except Exception as exc:  # a failed link setting must not lose the other's figures
             doc["errors"].append(f"{link}: {type(exc).__name__}: {str(exc)[-400:]}")
-        _merge(doc, tmp, world)
+        _merge(doc, tmp, world, link)
         print(f"[{time.monotonic() - t0:6.1f}s] tp {link} done", flush=True)
     link_env("nvlink")
     doc["elapsed_s"] = round(time.monotonic() - t0, 1)
@@ -96,7 +99,7 @@ def launch(out: str, world: int, links: list[str], layers: int, quick: bool) -> 
     return 0
 
 
-def _merge(doc: dict, tmp: str, world: int) -> None:
+def _merge(doc: dict, tmp: str, world: int, link: str) -> None:
     """Each rank wrote its own timings; a figure for a group is its slowest rank."""
     merged: dict[tuple, dict] = {}
     for r in range(world):
@@ -106,8 +109,9 @@ def _merge(doc: dict, tmp: str, world: int) -> None:
         except (OSError, json.JSONDecodeError):
             doc["errors"].append(f"rank {r} wrote no results")
             continue
-        if r == 0:
-            doc["env"] = part["env"]
+        if r == 0:  # what the children saw: the multicast switches (asserted there) and the link setting
+            doc["env"] = {k: part["env"].get(k) for k in MULTICAST_OFF}
+            doc.setdefault("env_by_link", {})[link] = part["env"]
         doc["errors"] += part.get("errors", [])
         for sec in ("allreduce", "stack", "split"):
             for rec in part[sec]:
