@@ -168,6 +168,9 @@ def test_physical_sense_reports_failed_checks_and_schema_missing_fields():
     d = _doc()
     d["checks"][0]["ok"] = False
     assert any("check failed" in p for p in schema.physical_sense(d))
+    d["checks"][0]["timed"] = False  # a candidate kernel that failed its check and was never timed
+    assert schema.physical_sense(d) == []
+    d = _doc()
     d = _doc()
     del d["device"]["driver"]
     del d["moe_layer"][0]["floor_ms"]

@@ -77,7 +77,7 @@ def physical_sense(doc: dict, tol: float = FLOOR_TOLERANCE, recount: bool = True
                     p.append(f"{sec}[{i}] {r.get('model')} tp{r.get('tp')}: {t}={r[t]:.4g} ms is below its floor "
                              f"{r[f]:.4g} ms by more than {tol:.0%}")
     for ch in doc.get("checks") or []:
-        if not ch.get("ok"):
+        if not ch.get("ok") and ch.get("timed", True):  # a candidate that failed and was never timed is fine
             p.append(f"check failed: {ch.get('name')} rel_err={ch.get('rel_err')}")
     if recount:
         for i, r in enumerate(doc.get("moe_layer") or []):

@@ -48,10 +48,14 @@ class Run:
         with open(self.out, "w") as f:
             json.dump(self.doc, f, indent=1)
 
-    def check(self, name: str, out, ref, tol: float) -> bool:
+    def check(self, name: str, out, ref, tol: float, candidate: bool = False) -> bool:
+        """Record a correctness check. A candidate kernel that fails is not timed (recorded as such)."""
         e = K.rel_err(out, ref)
         ok = e == e and e <= tol
-        self.doc["checks"].append({"name": name, "rel_err": e if e == e else None, "tol": tol, "ok": ok})
+        rec = {"name": name, "rel_err": e if e == e else None, "tol": tol, "ok": ok}
+        if candidate and not ok:
+            rec["timed"] = False
+        self.doc["checks"].append(rec)
         self.log(f"check {name}: rel_err={e:.2e} tol={tol:g} {'ok' if ok else 'FAILED'}")
         return ok
 
@@ -369,6 +373,19 @@ def decode_attention(run: Run) -> None:
                     continue
             if run.check(f"mla decode bmm tp{tp}", K.mla_decode_bmm(q, cache, scale), ref, 2e-2):
                 paths.append(("bmm + fp32 softmax + bmm (reads the cache twice)", None))
+            try:
+                from bench.gpu.triton_mla import mla_decode_triton
+
+                ok = True
+                for b2, t2 in ((2, 3000), (1, 77), (3, 40000)):  # many splits, one ragged block, long context
+                    q2, c2 = K.rand(b2, s.heads, D), K.rand(b2, t2, D)
+                    ok &= run.check(f"mla decode triton tp{tp} B{b2} T{t2}", mla_decode_triton(q2, c2, scale),
+                                    K.mla_decode_ref(q2, c2, scale), 2e-2, candidate=True)
+                if ok:
+                    paths.append(("triton split-K flash-decode (bench/gpu/triton_mla.py; reads the cache once)",
+                                  "triton"))
+            except Exception as exc:  # no Triton, or it would not compile: the other kernels still run
+                run.doc["skipped"].append(f"mla decode triton: {type(exc).__name__}: {str(exc)[:200]}")
         else:
             G = s.heads // s.kv_heads
             q, k, v = K.rand(B, s.kv_heads, G, 128), K.rand(B, s.kv_heads, T, 128), K.rand(B, s.kv_heads, T, 128)
@@ -402,6 +419,10 @@ def decode_attention(run: Run) -> None:
                         def fn(caches=caches, q=q, b=b, C=C, scale=scale):
                             if b is None:
                                 return [K.mla_decode_bmm(q, caches[i], scale) for i in range(C)]
+                            if b == "triton":
+                                from bench.gpu.triton_mla import mla_decode_triton
+
+                                return [mla_decode_triton(q, caches[i], scale) for i in range(C)]
                             with sdpa_kernel([b]):
                                 return [K.mla_decode_sdpa(q, caches[i], scale) for i in range(C)]
                     else:
