@@ -20,7 +20,7 @@ def _mla_decode_split(q_ptr, c_ptr, o_ptr, lse_ptr, T, chunk, sm_scale,
                       stride_qb, stride_qh, stride_cb, stride_ct, stride_ob, stride_os, stride_oh, stride_lb,
                       stride_ls, H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr,
                       DR: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # b * stride_cb passes 2^31 elements at batch 32 x 128k tokens
     sp = tl.program_id(1)
     offs_h = tl.arange(0, HP)
     offs_v = tl.arange(0, DV)
@@ -38,7 +38,7 @@ def _mla_decode_split(q_ptr, c_ptr, o_ptr, lse_ptr, T, chunk, sm_scale,
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
-        base = c_ptr + b * stride_cb + n[:, None] * stride_ct
+        base = c_ptr + b * stride_cb + n[:, None].to(tl.int64) * stride_ct
         k_nope = tl.load(base + offs_v[None, :], mask=nmask[:, None], other=0.0)
         k_rope = tl.load(base + DV + offs_r[None, :], mask=nmask[:, None], other=0.0)
         s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_rope, tl.trans(k_rope))
