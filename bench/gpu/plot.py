@@ -35,10 +35,15 @@ def draw(doc: dict, path: str) -> None:
                                                "tokens", "floor_ms_int4").items()):
         if model == "kimi-k2.5" and rt == "uniform":
             a.plot(*zip(*pts, strict=True), ":", color=colors.get(tp, "k"), lw=1,
-                   label=f"kimi TP{tp} uniform: bytes floor at int4 experts")
+                   label=f"kimi TP{tp} uniform: floor, experts at int4")
+    for (model, tp, rt), pts in sorted(_series(doc["moe_layer"], lambda r: (r["model"], r["tp"], r["routing"]),
+                                               "tokens", "floor_ms").items()):
+        if model == "kimi-k2.5" and rt == "uniform":
+            a.plot(*zip(*pts, strict=True), "-.", color=colors.get(tp, "k"), lw=0.8,
+                   label=f"kimi TP{tp} uniform: floor, bf16")
     a.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="ms per layer (one GPU's slice)",
           title="one layer's projections + experts vs tokens per step")
-    a.legend(fontsize=7)
+    a.legend(fontsize=6.5, loc="upper left")
     a.grid(True, which="both", alpha=0.3)
 
     a = ax[0][1]
@@ -76,11 +81,13 @@ def draw(doc: dict, path: str) -> None:
     a.grid(True, which="both", alpha=0.3)
 
     a = ax[1][1]
+    dcol = {}
     for (model, tp, var, v), pts in sorted(_series(doc["draft"], lambda r: (r["model"], r["tp"], r["variant"],
                                                                             r["vocab"]), "batch", "ms").items()):
         if tp != 8:
             continue
-        a.plot(*zip(*pts, strict=True), "-" if var == "topk4x2" else "--", marker="o", ms=4,
+        c = dcol.setdefault((model, v), f"C{len(dcol)}")
+        a.plot(*zip(*pts, strict=True), "-" if var == "topk4x2" else "--", marker="o", ms=4, color=c,
                label=f"{model} TP8 {var} vocab {v}")
     a.set(xscale="log", xlabel="requests in the batch", ylabel="ms per draft pass (one GPU's slice)",
           title="EAGLE-3 draft pass (layer + LM head per step)")
