@@ -271,3 +271,21 @@ def test_committed_tp1_is_labelled_a_code_path_check():
     assert d["world"] == 1 and "NOT a scaling result" in d["label"]
     assert schema.validate_tp(d) == [] and schema.physical_sense_tp(d) == []
     assert d["allreduce"] and d["stack"]
+
+
+def test_report_renders_the_tables_and_comparisons():
+    from bench.gpu import report
+
+    d = _doc()
+    d["moe_layer"].append(dict(d["moe_layer"][0], routing="uniform", tokens=4, ms=0.3))
+    d["moe_layer"].append(dict(d["moe_layer"][0], routing="uniform", tokens=16, ms=0.6))
+    text = report.render(d)
+    assert "| 16 |" in text and "verify, Kimi TP8, 1 request(s)" in text and "0.50x" in text
+    assert report.bw_ratio(d) == pytest.approx(4200 / 1792)
+
+
+def test_committed_report_renders():
+    from bench.gpu import report
+
+    text = report.render(_committed("h200.json"))
+    assert "kv term, Kimi MLA TP8" in text and "TP4/TP8 per-GPU layer time" in text

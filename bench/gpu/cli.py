@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw a result JSON (single-gpu or tp) as a PNG")
     p.add_argument("json")
     p.add_argument("--out", required=True)
+    m = sub.add_parser("report", help="markdown tables of a single-GPU result JSON (docs/SIMULATOR.md quotes them)")
+    m.add_argument("json")
     c = sub.add_parser("check", help="schema + physical-sense check of a result JSON; exit 1 on a problem")
     c.add_argument("json")
     return ap
@@ -72,6 +74,11 @@ def main(argv: list[str]) -> int:
 
             plot.draw(doc, args.out)
             print(f"wrote {args.out}")
+            return 0
+        if args.cmd == "report":
+            from bench.gpu import report
+
+            print(report.render(doc))
             return 0
         from bench.gpu import schema
 
