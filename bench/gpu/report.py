@@ -114,8 +114,8 @@ def render(doc: dict) -> str:
         if 4 * b in k8 and 16 * b in k8:
             out.append(f"- verify, Kimi TP8, {b} request(s): 4 draft tokens each (topk 1, 3 steps) "
                        f"{k8[4 * b]['ms']:.3f} ms/layer vs 16 (topk 4, 2 steps) {k8[16 * b]['ms']:.3f}: "
-                       f"{k8[4 * b]['ms'] / k8[16 * b]['ms']:.2f}x; a decode of {b}: "
-                       f"{k8[b]['ms']:.3f} ms/layer")
+                       f"{k8[4 * b]['ms'] / k8[16 * b]['ms']:.2f}x"
+                       + (f"; a decode of {b}: {k8[b]['ms']:.3f} ms/layer" if b in k8 else ""))
     ratios = [f"{n}: {k4[n]['ms'] / k8[n]['ms']:.2f}" for n in sorted(k8) if n in k4]
     out.append(f"- TP4/TP8 per-GPU layer time, Kimi uniform, by tokens per step: {', '.join(ratios)}")
     l8, l4 = _layer(doc, "llama-3.3-70b", 8), _layer(doc, "llama-3.3-70b", 4)
