@@ -289,3 +289,33 @@ def test_committed_report_renders():
 
     text = report.render(_committed("h200.json"))
     assert "kv term, Kimi MLA TP8" in text and "TP4/TP8 per-GPU layer time" in text
+
+
+def test_tp_merge_takes_the_slowest_rank_and_derives_weight_time(tmp_path):
+    """The launcher's merge of per-rank files, as an 8-GPU run would write them (2 ranks here)."""
+    env = dict(tp.MULTICAST_OFF, NCCL_P2P_DISABLE=None)
+
+    def part(rank, ar_ms, st_ms, sp_ms):
+        return {"env": env, "errors": [],
+                "allreduce": [{"tp": 2, "link": "nvlink", "tokens": 16, "bytes": 16 * 7168 * 2, "ms": ar_ms,
+                               "graph": True, "rank": rank}],
+                "stack": [{"tp": 2, "link": "nvlink", "tokens": 16, "layers": 4, "ms": st_ms, "graph": True,
+                           "rank": rank, "group": 0}],
+                "split": [{"tp": 1, "link": "nvlink", "tokens": 16, "layers": 4, "ms": sp_ms, "graph": True,
+                           "rank": rank, "group": rank, "groups": 2}]}
+    for r, vals in enumerate(((0.010, 4.0, 3.0), (0.012, 4.4, 3.5))):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(part(r, *vals)))
+    doc = {"allreduce": [], "stack": [], "split": [], "errors": [], "env": {}}
+    tp._merge(doc, str(tmp_path), 2, "nvlink")
+    assert [r["ms"] for r in doc["allreduce"]] == [0.012]
+    (st,) = doc["stack"]
+    assert st["ms"] == 4.4 and st["ms_per_layer"] == pytest.approx(1.1)
+    assert st["allreduce_ms"] == pytest.approx(0.024) and st["weight_ms"] == pytest.approx(1.1 - 0.024)
+    assert st["tokens_per_s_world"] == pytest.approx(16 / 4.4e-3)
+    (sp,) = doc["split"]  # the slower of the two groups, two groups' tokens
+    assert sp["ms"] == 3.5 and sp["tokens_per_s_world"] == pytest.approx(2 * 16 / 3.5e-3)
+    assert doc["env"] == tp.MULTICAST_OFF and doc["env_by_link"]["nvlink"]["NCCL_P2P_DISABLE"] is None
+    (tmp_path / "rank1.json").unlink()
+    doc = {"allreduce": [], "stack": [], "split": [], "errors": [], "env": {}}
+    tp._merge(doc, str(tmp_path), 2, "nvlink")
+    assert "rank 1 wrote no results" in doc["errors"]
