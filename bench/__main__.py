@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
     "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
+    "gpu": ("bench.gpu.cli", "GPU micro-benchmarks (PyTorch + CUDA): step cost vs tokens, context, prompt; TP scaling"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
 EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers", "llama_cpp": "engine",
