@@ -526,3 +526,46 @@ def fit_seed(box: Box, rows: dict[str, list[tuple[int, float]]] | None = None, *
         v = _nelder_mead(objective, v, [0.1] * len(free), iters=iters)
     x = unpack(v) or {k: _current(box, k) for k in free}
     return _with(box, {k: float(f"{val:.4g}") for k, val in x.items()})
+
+
+# --- derived profiles by name ---------------------------------------------------------------------------------
+
+# Per-token acceptance of a topk-1 chain (each drafted token accepted with this probability given the ones before
+# it): an assumption, central value of the stated range CHAIN_ALPHA_RANGE (docs/SIMULATOR.md).
+CHAIN_ALPHA = 0.7
+CHAIN_ALPHA_RANGE = (0.55, 0.8)
+SEED_TREE_ACCEPT = 2.5  # measured: the seed's topk-4, 2-step, 16-token tree on its prompts
+
+
+def setting(text: str, alpha: float = CHAIN_ALPHA, tree_accept: float = SEED_TREE_ACCEPT) -> Speculative:
+    """baseline | tree (the seed's: topk 4, 2 steps, 16 draft tokens) | chainK (topk 1, K steps, K+1 tokens)."""
+    if text == "baseline":
+        return BASELINE
+    if text == "tree":
+        return tree(accept_length=tree_accept)
+    if text.startswith("chain") and text[5:].isdigit() and 1 <= int(text[5:]) <= 16:
+        k = int(text[5:])
+        return chain(k, chain_accept_length(k, alpha))
+    raise ShapeError(f"unknown speculative setting {text!r}: baseline, tree or chainK (K = 1..16)")
+
+
+def profile_by_name(name: str) -> Profile:
+    """`PRESET.SETTING-tpN` (e.g. kimi-k25-rtxpro6000-pcie.chain3-tp8): the profile the step-cost model derives.
+    ProfileError (one line) for an unknown name or a deployment whose weights do not fit its GPUs."""
+    from bench.sim import memory, presets
+
+    head, _, rest = name.partition(".")
+    what, _, tp_text = rest.rpartition("-tp")
+    try:
+        box = presets.box(head)
+        spec = setting(what)
+        tp = int(tp_text) if tp_text.isdigit() else 0
+        if tp < 1 or tp > box.gpus:
+            raise ShapeError(f"{name}: the TP size after '-tp' must be 1..{box.gpus}")
+        kind = memory.TP_EAGLE3 if spec.draft else memory.TP_BASELINE
+        fit = memory.fit_deployment(kind, memory_model(box.shape), memory.Hardware(tp, box.gpu.memory_gib))
+        if not fit.fits:
+            raise ShapeError(f"{name}: {fit.reason}")
+        return derive_profile(box, spec, tp, name=name)
+    except (ShapeError, memory.MemoryFitError) as exc:
+        raise ProfileError(str(exc)) from None
