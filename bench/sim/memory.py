@@ -88,6 +88,11 @@ class ModelMemory:
     draft_weights_gib: float = 0.0  # the EAGLE-3 draft (0: no draft known; speculative deployments use 0)
     draft_layers: int = 1
     mla: bool = False
+    replicated_gib: float = 0.0  # part of weights_gib every TP rank holds whole (MLA down projections, gates)
+
+    def weights_per_gpu_gib(self, tp: int, draft: bool) -> float:
+        whole = self.weights_gib + (self.draft_weights_gib if draft else 0.0)
+        return (whole - self.replicated_gib) / tp + self.replicated_gib
 
     def kv_cell_bytes(self, tp: int, draft: bool) -> float:
         """KV bytes one token takes on ONE GPU of a TP group (with the draft's layers for an EAGLE server)."""
@@ -146,7 +151,7 @@ class Hardware:
 
 def _server(model: ModelMemory, hw: Hardware, role: str, tp: int, static_gib: float) -> ServerFit:
     draft = role != "baseline"
-    weights = (model.weights_gib + (model.draft_weights_gib if draft else 0.0)) / tp
+    weights = model.weights_per_gpu_gib(tp, draft)
     cell = model.kv_cell_bytes(tp, draft)
     rest = (static_gib - weights) * GIB
     tokens = int(rest // cell) if rest > 0 and cell > 0 else 0
@@ -256,8 +261,9 @@ def gqa_kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) ->
 # --kv-cache-dtype fp8_e4m3 halves it. Weights: int4 routed experts (group 32, bf16 scales), bf16 rest,
 # 554.4 GiB (595 GB) computed from the config (bench.sim.presets); NVIDIA's NIM matrix lists 650 GB on disk.
 # Draft: an EAGLE-3 head of ~0.99B parameters, 1.84 GiB (bench.sim.presets, an assumed shape).
-KIMI_K25 = ModelMemory("Kimi K2.5", weights_gib=554.4, kv_bytes_per_token=mla_kv_bytes(61, 512, 64, 2), layers=61,
-                       kv_heads=None, draft_weights_gib=1.84, draft_layers=1, mla=True)
+# Every TP rank holds MLA's q/kv down projections (SGLang's ReplicatedLinear) and the routers whole: 2.03 GiB.
+KIMI_K25 = ModelMemory("Kimi K2.5", weights_gib=554.1, kv_bytes_per_token=mla_kv_bytes(61, 512, 64, 2), layers=61,
+                       kv_heads=None, draft_weights_gib=1.84, draft_layers=1, mla=True, replicated_gib=2.03)
 # Llama-3.3-70B-Instruct: 80 layers, 8 KV heads x 128, bf16: 327,680 bytes per token; 70.55B parameters bf16
 # = 131.4 GiB; its EAGLE-3 draft (one layer, 32k draft vocabulary) about 1.4B parameters = 2.6 GiB.
 LLAMA_70B = ModelMemory("Llama-3.3-70B", weights_gib=131.4, kv_bytes_per_token=gqa_kv_bytes(80, 8, 128, 2),

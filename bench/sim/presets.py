@@ -48,6 +48,7 @@ KIMI_K25 = ModelShape(
     name="Kimi K2.5", model_path="moonshotai/Kimi-K2.5", source="moonshotai/Kimi-K2.5 config.json",
     layers=61, hidden=7168, vocab=163840,
     attn_params=mla_attn_params(7168, 64, 1536, 512, 128, 64, 128), attn_bytes_per_param=BF16,
+    attn_replicated_params=7168 * (1536 + 512 + 64),
     attn_flops_per_ctx_token=_mla_flops_per_ctx(64, 512, 64),
     moe_layers=60, dense_mlp_params=3 * 7168 * 18432, dense_bytes_per_param=BF16,
     routed_experts=384, experts_per_token=8, expert_params=3 * 7168 * 2048, expert_bytes_per_param=INT4_G32,
@@ -67,6 +68,7 @@ DEEPSEEK_V3 = ModelShape(
     name="DeepSeek-V3", model_path="deepseek-ai/DeepSeek-V3", source="deepseek-ai/DeepSeek-V3 config.json",
     layers=61, hidden=7168, vocab=129280,
     attn_params=mla_attn_params(7168, 128, 1536, 512, 128, 64, 128), attn_bytes_per_param=FP8_B128,
+    attn_replicated_params=7168 * (1536 + 512 + 64),
     attn_flops_per_ctx_token=_mla_flops_per_ctx(128, 512, 64),
     moe_layers=58, dense_mlp_params=3 * 7168 * 18432, dense_bytes_per_param=FP8_B128,
     routed_experts=256, experts_per_token=8, expert_params=3 * 7168 * 2048, expert_bytes_per_param=FP8_B128,
@@ -107,15 +109,15 @@ GPUS = {"rtxpro6000": RTX_PRO_6000, "h200": H200}
 # bound is PCIe Gen5 x16, 64 GB/s per direction). NVLink (H200, NVSwitch): assumptions from published NCCL /
 # custom all-reduce figures: ~8 us for a small all-reduce at TP8 (5 us + 0.2 us per ring step), bus bandwidth
 # 360 GB/s (nccl-tests all_reduce busbw on 8-GPU Hopper boxes).
-PCIE_SEED = Interconnect(name="pcie", base_us=0.0, hop_us=2.212, bus_gbs=9.089,
+PCIE_SEED = Interconnect(name="pcie", base_us=0.0, hop_us=1.086, bus_gbs=9.415,
                          source="fitted to the seed table (bench.sim.stepcost.fit_seed)")
 NVLINK = Interconnect(name="nvlink", base_us=5.0, hop_us=0.2, bus_gbs=360.0,
                       source="assumption: NCCL / custom all-reduce on 8x Hopper with NVSwitch")
 LINKS = {"pcie": PCIE_SEED, "nvlink": NVLINK}
 
 # The seed box's fitted calibration (bench.sim.stepcost.fit_seed over both seed rows; docs/SIMULATOR.md).
-SEED_CAL = Calibration(fixed_ms=3.923, per_request_ms=0.4505, bw_efficiency=0.85, flops_efficiency=0.3,
-                       dense_flops_efficiency=0.5, expert_reuse=0.3796)
+SEED_CAL = Calibration(fixed_ms=4.469, per_request_ms=0.5028, bw_efficiency=0.8114, flops_efficiency=0.3,
+                       dense_flops_efficiency=0.5, expert_reuse=0.2997)
 
 SEED_BOX_NAME = "kimi-k25-rtxpro6000-pcie"
 

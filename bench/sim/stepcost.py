@@ -65,6 +65,8 @@ class ModelShape(BaseModel):
     vocab: int = Field(ge=1)
     attn_params: float = Field(gt=0, description="attention projection parameters per layer")
     attn_bytes_per_param: float = Field(default=BF16, gt=0)
+    attn_replicated_params: float = Field(default=0.0, ge=0, description="the part of attn_params every TP rank "
+                                          "holds whole (SGLang replicates MLA's q/kv down projections)")
     # attention FLOPs per query token per cached token per layer (scores + values, all heads)
     attn_flops_per_ctx_token: float = Field(default=0.0, ge=0)
     moe_layers: int = Field(default=0, ge=0, description="layers with routed experts; the others have a dense MLP")
@@ -105,8 +107,13 @@ class ModelShape(BaseModel):
                 + dense * self.dense_mlp_params * self.dense_bytes_per_param
                 + self.moe_layers * (self.routed_experts * self.expert_params * self.expert_bytes_per_param
                                      + self.shared_params * self.shared_bytes_per_param
-                                     + self.routed_experts * self.hidden * 4)  # the router's fp32 gate
+                                     + self.routed_experts * self.hidden * BF16)  # the router's gate
                 + (self.embed_params + self.lm_head_params) * BF16 + self.other_weight_bytes)
+
+    def replicated_bytes(self) -> float:
+        """Weights every TP rank holds whole: MLA's down projections and the routers' gates."""
+        return self.layers * self.attn_replicated_params * self.attn_bytes_per_param + \
+            self.moe_layers * self.routed_experts * self.hidden * BF16
 
     def draft_weight_bytes(self) -> float:
         return self.draft.weight_bytes(self) if self.draft else 0.0
@@ -252,8 +259,10 @@ def forward(shape: ModelShape, lay: Layout, cal: Calibration, tokens: int, ctx_t
     tp, gpu = lay.tp, lay.gpu
     t = max(tokens, 1)
     ms = nbytes = flops = 0.0
-    attn_b = shape.attn_params * shape.attn_bytes_per_param / tp
-    attn_f = 2 * shape.attn_params * t / tp + shape.attn_flops_per_ctx_token * ctx_tokens / tp
+    rep = shape.attn_replicated_params
+    attn_p = (shape.attn_params - rep) / tp + rep  # parameters one GPU holds and reads
+    attn_b = attn_p * shape.attn_bytes_per_param
+    attn_f = 2 * attn_p * t + shape.attn_flops_per_ctx_token * ctx_tokens / tp
     ms += shape.layers * _block(attn_b, attn_f, gpu, cal)
     nbytes += shape.layers * attn_b
     flops += shape.layers * attn_f
@@ -268,8 +277,9 @@ def forward(shape: ModelShape, lay: Layout, cal: Calibration, tokens: int, ctx_t
         touched = distinct_experts(t, shape.routed_experts, shape.experts_per_token, cal.expert_reuse)
         b = touched * shape.expert_params * shape.expert_bytes_per_param / tp
         f = 2 * t * shape.experts_per_token * shape.expert_params / tp
-        sb = shape.shared_params * shape.shared_bytes_per_param / tp
-        sf = 2 * t * shape.shared_params / tp
+        gate = shape.routed_experts * shape.hidden  # the router, replicated on every rank
+        sb = shape.shared_params * shape.shared_bytes_per_param / tp + gate * BF16
+        sf = 2 * t * (shape.shared_params / tp + gate)
         ms += shape.moe_layers * (_block(b, f, gpu, cal, experts=True) + _block(sb, sf, gpu, cal))
         nbytes += shape.moe_layers * (b + sb)
         flops += shape.moe_layers * (f + sf)
@@ -408,6 +418,7 @@ def memory_model(shape: ModelShape):
     from bench.sim import memory
 
     return memory.ModelMemory(shape.name, weights_gib=shape.weight_bytes() / GIB,
+                              replicated_gib=shape.replicated_bytes() / GIB,
                               kv_bytes_per_token=shape.kv_bytes_per_token(), layers=shape.layers,
                               kv_heads=shape.kv_heads, draft_weights_gib=shape.draft_weight_bytes() / GIB,
                               draft_layers=shape.draft.layers if shape.draft else 1, mla=shape.mla)
