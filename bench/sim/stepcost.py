@@ -9,8 +9,8 @@ A forward over T tokens (n requests) costs, per GPU of a TP group of size tp:
         each latency(tp) + wire bytes / bus bandwidth (see Interconnect)
   + KV reads: every token each request holds, once per layer (bandwidth bound)
 and the routed experts' bytes count the DISTINCT experts the T tokens wake: E x (1 - (1 - k/E)^T) under
-uniform routing, pulled towards k by `expert_reuse` (1: the uniform bound; below 1: skewed routing shares
-experts more). A speculative step is the draft's passes plus one target verify pass over n x draft tokens.
+uniform routing; `expert_reuse` below 1 (skewed routing) counts each token after the first as that fraction
+of a uniformly routed one. A speculative step is the draft's passes plus one target verify pass over n x draft tokens.
 
 Every figure is sourced in docs/SIMULATOR.md ("Step-cost model") or named an assumption there; the free
 parameters of the box (Calibration) are fitted to both seed rows at once by `fit_seed`.
@@ -221,13 +221,13 @@ def chain_accept_length(steps: int, alpha: float) -> float:
 
 
 def distinct_experts(tokens: float, experts: int, per_token: int, reuse: float = 1.0) -> float:
-    """Experts a batch of `tokens` wakes in one layer: the uniform-routing bound E (1 - (1 - k/E)^T), its excess
-    over k (one token's) scaled by `reuse` (skewed routing shares experts more than uniform routing does)."""
+    """Experts a batch of `tokens` wakes in one layer. Uniform routing (reuse 1): E (1 - (1 - k/E)^T), exact for
+    k distinct experts per token. Skewed routing shares experts more: `reuse` < 1 counts each token after the
+    first as `reuse` of a uniformly routed one, E (1 - (1 - k/E)^(1 + reuse (T - 1))), so one token still wakes
+    k and a large batch still wakes them all (as the GPU benchmark's Zipf routing does; docs/SIMULATOR.md)."""
     if experts == 0 or tokens <= 0:
         return 0.0
-    bound = experts * (1 - (1 - per_token / experts) ** tokens)
-    first = min(per_token, bound)
-    return first + reuse * (bound - first)
+    return experts * (1 - (1 - per_token / experts) ** (1 + reuse * (tokens - 1)))
 
 
 @dataclass(frozen=True)
