@@ -169,11 +169,11 @@ class Calibration(BaseModel):
 
     fixed_ms: float = Field(ge=0, description="per forward pass: kernel launches, scheduler, sampling")
     bw_efficiency: float = Field(gt=0, le=1, description="fraction of datasheet bandwidth the weight reads reach")
-    flops_efficiency: float = Field(default=0.3, gt=0, le=1, description="fraction of the bf16 rate the routed experts' "
+    flops_efficiency: float = Field(default=0.042, gt=0, le=1, description="fraction of the bf16 rate the routed experts' "
                                     "grouped GEMMs reach (small per-expert batches, int4 dequantisation)")
-    dense_flops_efficiency: float = Field(default=0.5, gt=0, le=1,
+    dense_flops_efficiency: float = Field(default=0.64, gt=0, le=1,
                                           description="the same for dense GEMMs (attention, shared expert, dense "
-                                                      "MLP, LM head): a stated assumption, not fitted")
+                                                      "MLP, LM head); both measured on an H200, not fitted")
     per_request_ms: float = Field(default=0.0, ge=0, description="per request per decode step: sampling, "
                                   "scheduler bookkeeping, output processing")
     expert_reuse: float = Field(default=1.0, gt=0, le=1,
@@ -486,7 +486,8 @@ def worst_error(errs: dict[str, list[tuple[int, float, float]]]) -> float:
 
 # The free parameters fit_seed varies (log scale), each with its physical meaning (docs/SIMULATOR.md):
 # fixed_ms, per_request_ms, bw_efficiency, expert_reuse (Calibration); hop_us, bus_gbs (the link). The GEMM
-# efficiencies are stated assumptions: the seed rows cannot tell per-token GEMM time from per-token wire time.
+# efficiencies are measured on an H200 (presets.SEED_CAL): the seed rows cannot tell per-token GEMM time from
+# per-token wire time, so they are not fitted.
 FREE = ("fixed_ms", "per_request_ms", "bw_efficiency", "expert_reuse", "hop_us", "bus_gbs")
 _CAL_KEYS = ("fixed_ms", "per_request_ms", "bw_efficiency", "flops_efficiency", "expert_reuse")
 # Upper bounds the fit respects: weight-streaming kernels reach at most ~85% of datasheet bandwidth (a stated
