@@ -128,6 +128,12 @@ def advise(inp: Inputs) -> Advice:
         return adv
     tp = inp.hw.gpus
     box = replace(box, gpus=tp)
+    if box.shape.draft is None:
+        adv.why = (f"why: {box.shape.name} has no draft head in this shape, so only the baseline is planned "
+                   f"(add a `draft:` entry to plan speculation)")
+        adv.tput["baseline"], adv.tpot["baseline"] = _curve(box, stepcost.BASELINE, inp, tp)
+        adv.best_tput = adv.best_latency = {c: "baseline" for c in inp.levels}
+        return adv
     adv.why = _why(box, inp)
     for name, spec in _settings(inp, inp.alpha).items():
         adv.tput[name], adv.tpot[name] = _curve(box, spec, inp, tp)
@@ -229,9 +235,10 @@ def render(adv: Advice) -> str:
         cells += [_pick(adv.best_tput[c], spec_ok), _pick(adv.best_latency[c], spec_ok)]
         rows.append(cells)
     lines += _grid(rows)
-    lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
-                 "(an upper bound on its controller): " +
-                 ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
+    if "adaptive" in adv.tput:
+        lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
+                     "(an upper bound on its controller): " +
+                     ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
     lines.append("")
     if spec_ok:
         lines.append("RUN (throughput): " + _bands(adv.best_tput))
@@ -239,6 +246,8 @@ def render(adv: Advice) -> str:
     else:
         lines.append(f"RUN: TP{g} baseline at every load (no speculative server fits: "
                      f"{fits[memory.TP_EAGLE3].reason})")
+    if not adv.alpha_sweep:
+        return "\n".join(lines)
     lo, mid, hi = sorted(adv.alpha_sweep)
     lines.append(f"chain acceptance is an assumption; the throughput verdict at per-token acceptance {lo:g} / "
                  f"{mid:g} / {hi:g} (chain3 accepts {stepcost.chain_accept_length(3, lo):.2f} / "

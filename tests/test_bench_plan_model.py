@@ -140,3 +140,14 @@ def test_measured_plan_never_recommends_a_deployment_that_does_not_fit(capsys, t
     # with the compose default it fits, and the measured win stands
     rc, out, _ = run(capsys, str(f), "--preset", "compose")
     assert "measured (compare/demo JSON):\nBeats tp8 [8 GPUs]: split + balanced at c=10" in out
+
+
+def test_a_shape_without_a_draft_plans_the_baseline_only(capsys, tmp_path):
+    data = presets.LLAMA_70B.model_dump(mode="json")
+    data.pop("draft")
+    f = tmp_path / "nodraft.json"
+    f.write_text(json.dumps(data))
+    rc, out, _ = run(capsys, "--shape", str(f))
+    assert rc == 0
+    assert out.splitlines()[1].startswith("why: Llama-3.3-70B has no draft head in this shape")
+    assert "RUN (throughput): c=1-250: baseline" in out and "tree tok/s" not in out
