@@ -271,18 +271,29 @@ def _split_lines(adv: Advice) -> list[str]:
     if not adv.breakeven:
         return out
     levels = list(adv.breakeven)
-    need = ", ".join(f"c={c} within {adv.breakeven[c]:.2f}x" for c in levels)
-    line = (f"break-even: the TP{half}+TP{half} split (router placing each request as well as possible) beats "
-            f"TP{g} baseline at a level if a TP{half} server's step is within this of TP{g}'s: {need}; "
-            f"measure one TP{half} server with `spec-bench sweep` to know")
-    if not split_fit.fits:
-        line += f" (moot here: {split_fit.reason})"
-    out.append(line)
     r = adv.tp4_ratio
     won = [c for c in levels if adv.split[c] >= adv.tput["baseline"][c] * (1 + NOISE)]
-    out.append(f"  TP{half} step / TP{g} step = {r:.2f}x ({adv.tp4_ratio_source}): the split "
-               + (f"beats TP{g} baseline at c={','.join(map(str, won))}" if won else f"beats TP{g} baseline nowhere")
-               + ("" if split_fit.fits else " if it fit"))
+    tail = f"; measure one TP{half} server with `spec-bench sweep` to know"
+    moot = "" if split_fit.fits else f" (moot here: {split_fit.reason})"
+    if won and won == levels[len(levels) - len(won):] and len(won) < len(levels):
+        n = won[0]
+        head = (f"break-even: the split beats TP{g} baseline at c >= {n} if a TP{half} server's step is within "
+                f"{min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    elif won and won == levels[:len(won)]:
+        n = won[-1]
+        head = (f"break-even: the split beats TP{g} baseline at c <= {n} if a TP{half} server's step is within "
+                f"{min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    elif won:
+        head = (f"break-even: the split beats TP{g} baseline at c={','.join(map(str, won))} if a TP{half} "
+                f"server's step is within {min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    else:
+        best = max(levels, key=adv.breakeven.__getitem__)
+        head = (f"break-even: the split beats TP{g} baseline nowhere at the predicted ratio; at c={best}, its best "
+                f"level, only if a TP{half} server's step is within {adv.breakeven[best]:.2f}x of TP{g}")
+    out.append(head + tail + moot)
+    out.append(f"  predicted TP{half} step / TP{g} step = {r:.2f}x ({adv.tp4_ratio_source}); the split "
+               f"(a router placing each request as well as possible between its two servers) needs: "
+               + ", ".join(f"c={c} {adv.breakeven[c]:.2f}x" for c in levels))
     if adv.colocated:
         ratio = [adv.colocated[c] / adv.tput["baseline"][c] for c in levels]
         out.append(f"  co-located pair ({fits[memory.COLOCATED].reason.split(': ', 1)[-1]}), global routing: "
