@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
 }
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line (python -m bench, spec-bench), not a caller in this process
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        # A bare command: the short usage, where errors go, and the exit code of a usage error.
+        print("usage: spec-bench COMMAND [options]   (spec-bench --help lists the commands)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]

@@ -189,9 +189,21 @@ def render_table(results: dict[str, list[dict]], title: str | None = None,
     return "\n".join(out).rstrip("\n")
 
 
-def gpus_line(names: list[str], gpus: dict[str, int | None]) -> str:
-    from bench.equal import gpus_label, hardware_note
+def gpus_label(n: int | None) -> str:
+    return "? GPUs" if n is None else f"{n} GPU" + ("" if n == 1 else "s")
 
+
+def hardware_note(names: list[str], gpus: dict[str, int | None]) -> str:
+    """Empty when every named deployment uses the same known number of GPUs, else the warning that has to
+    sit in the same line as any comparison of them."""
+    counts = {gpus.get(n) for n in names}
+    if len(counts) == 1 and None not in counts:
+        return ""
+    parts = ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names)
+    return f"UNEQUAL HARDWARE: {parts}"
+
+
+def gpus_line(names: list[str], gpus: dict[str, int | None]) -> str:
     note = hardware_note(names, gpus)
     return "GPUs per column: " + ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names) + (
         f" ({note})" if note else " (equal hardware)")
@@ -245,10 +257,15 @@ def write_csv(path: Path, results: dict[str, list[dict]], gpus: dict[str, int | 
                 w.writerow(_clean({**f, "target": name, "gpus": (gpus or {}).get(name)}))
 
 
-def plot(path: Path, results: dict[str, list[dict]], title: str = "",
-         gpus: dict[str, int | None] | None = None) -> Path:
-    """Throughput, median TTFT and mean ITL vs load, one line per target, log-scaled load axis; with
-    `gpus` each legend entry carries its GPU count."""
+# (figure key, panel title, y-axis label): one panel each, in this order.
+PANELS = (("output_throughput", "Output throughput", "output throughput (tok/s)"),
+          ("median_ttft_ms", "Time to first token (median)", "median TTFT (ms, log scale)"),
+          ("mean_itl_ms", "Inter-token latency (mean)", "mean ITL (ms)"))
+
+
+def figure(results: dict[str, list[dict]], title: str = "", gpus: dict[str, int | None] | None = None):
+    """The matplotlib Figure `plot` saves: three titled panels vs load, one line per target (the legend names
+    each target, with its GPU count when `gpus` gives it). The caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,16 +274,13 @@ def plot(path: Path, results: dict[str, list[dict]], title: str = "",
 
     open_loop = any(f.get("request_rate") is not None for figs in results.values() for f in figs)
     xkey = "request_rate" if open_loop else "concurrency"
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (("output_throughput", "output throughput (tok/s)"),
-              ("median_ttft_ms", "median TTFT (ms)"),
-              ("mean_itl_ms", "mean ITL (ms)"))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    for ax, (key, panel_title, ylabel) in zip(axes, PANELS, strict=True):
         for name, figs in results.items():
             pts = [(f[xkey], f[key]) for f in figs if f.get(key) is not None and not math.isnan(f[key])]
             if pts:
-                label = f"{name} [{gpus[name]} GPUs]" if gpus and gpus.get(name) else name
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                legend = f"{name} [{gpus[name]} GPUs]" if gpus and gpus.get(name) else name
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=legend)
         ax.set_xscale("log")
         xs = sorted({f[xkey] for figs in results.values() for f in figs if f.get(xkey) is not None})
         ax.set_xticks(xs)
@@ -275,13 +289,23 @@ def plot(path: Path, results: dict[str, list[dict]], title: str = "",
         if key == "median_ttft_ms":
             ax.set_yscale("log")  # queueing at high load would flatten every other level to 0
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
-        ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency")
-        ax.set_ylabel(label)
+        ax.set_title(panel_title)
+        ax.set_xlabel("request rate (req/s, log scale)" if open_loop else "concurrent clients (log scale)")
+        ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(title="deployment", fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot(path: Path, results: dict[str, list[dict]], title: str = "",
+         gpus: dict[str, int | None] | None = None) -> Path:
+    """Save `figure(results, title, gpus)` as a PNG at `path`."""
+    fig = figure(results, title, gpus)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

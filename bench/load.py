@@ -44,6 +44,8 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens (chunk count if the server sent no usage)
     prompt_tokens: int = 0
     usage_reported: bool = False
+    # usage.prompt_tokens_details.cached_tokens (SGLang sends it only with --enable-cache-report); None = absent
+    cached_tokens: int | None = None
     error: str | None = None  # None = success
     done: bool = False  # the stream ended with `data: [DONE]` (an in-band error is explicit only then)
     pool: str | None = None  # the router's X-Router-Pool answer header (None straight to a server)
@@ -160,8 +162,24 @@ def _error_message(obj: object) -> str:
     return str(obj)[:200]
 
 
+def _content(payload: bytes) -> str:
+    """The generated text a chunk carries (chat delta content or completions text)."""
+    try:
+        choices = json.loads(payload).get("choices") or []
+    except ValueError:
+        return ""
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    c = choices[0]
+    delta = c.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else c.get("text")
+    return text if isinstance(text, str) else ""
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: bytes,
-                     limit_s: float) -> RequestRecord:
+                     limit_s: float, text: list[str] | None = None) -> RequestRecord:
+    """One streaming request. With `text`, the generated text's pieces are appended to it (each chunk is
+    then parsed as JSON: a multi-turn client sends the reply back in the next turn)."""
     rec = RequestRecord(start=time.perf_counter())
     clock = time.perf_counter
     usage = None
@@ -207,6 +225,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
                             if rec.ttft is None:
                                 rec.ttft = now - rec.start
                             rec.chunk_times.append(now)
+                            if text is not None:
+                                text.append(_content(payload))
                         if b'"usage"' in payload and b'"usage":null' not in payload:
                             try:
                                 u = json.loads(payload).get("usage")
@@ -234,6 +254,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, path: str, body: 
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         rec.usage_reported = True
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.cached_tokens = details["cached_tokens"]
     else:
         rec.output_tokens = len(rec.chunk_times)
     if rec.error is None and rec.ttft is None:

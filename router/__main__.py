@@ -1,4 +1,5 @@
-"""CLI: `python -m router serve ...`: parse flags, load Settings, install uvloop, serve until SIGTERM, drain."""
+"""CLI: `spec-router serve ...` (= `python -m router serve ...`): parse flags, load Settings, install uvloop, serve
+until SIGTERM, drain."""
 from __future__ import annotations
 
 import argparse
@@ -9,15 +10,16 @@ import sys
 import typing
 from typing import NoReturn
 
+from router.cliargs import OneLineParser
 from router.settings import ConfigError, Settings, load_settings
 
-PROG = "python -m router"
+PROG = "spec-router"  # one name in every usage and error line (python -m router runs the same)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     def error(self, message: str) -> NoReturn:
         # One line, exit 2: bad flags are the user's to fix, not a traceback to read.
-        self.exit(2, f"router: error: {message} (see {PROG} serve --help)\n")
+        self.exit(2, f"{PROG}: error: {message} (see {PROG} serve --help)\n")
 
 
 def _is_list(name: str) -> bool:
@@ -36,19 +38,42 @@ def _metavar(annotation: object) -> str:
     return {int: "N", float: "SECONDS", str: "TEXT"}.get(kind, "KEY")  # type: ignore[call-overload]
 
 
+SHORT_USAGE = (f"{PROG} serve [--speculative URL]... [--baseline URL]... [--config FILE] [--policy NAME] "
+               "[--port P] [more flags]")
+
+
+SHORT_HELP = f"""usage: {SHORT_USAGE}
+
+An OpenAI-compatible reverse proxy in front of a speculative and a baseline pool of LLM servers (SGLang, or
+any OpenAI-compatible engine): each request goes to the pool that serves it best at the current load.
+
+commands:
+  serve    run the router (the only command)
+
+examples:
+  {PROG} serve --speculative http://127.0.0.1:30001 --baseline http://127.0.0.1:30002 --policy adaptive
+  {PROG} serve --config deploy/router.example.yaml
+
+Every setting is a flag, a ROUTER_<NAME> env var and a YAML key: {PROG} serve --help lists them all.
+Docs: README.md, docs/ROUTER.md."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     return _parsers()[0]
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    parser = _Parser(prog=PROG, description="Load-aware OpenAI-compatible router for speculative and baseline "
-                     "SGLang pools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # allow_abbrev off: `--baseli` must be an error, not silently `--baseline`.
+    parser = _Parser(prog=PROG, allow_abbrev=False, usage=SHORT_USAGE,
+                     description="Load-aware OpenAI-compatible reverse proxy in front of a speculative and a "
+                     "baseline pool of LLM servers (SGLang, or any OpenAI-compatible engine).",
+                     epilog=f"Every setting: {PROG} serve --help. Docs: README.md, docs/ROUTER.md.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, title="commands")
     serve = sub.add_parser(
-        "serve", help="run the router",
+        "serve", help="run the router", allow_abbrev=False, prog=f"{PROG} serve",
         description="Run the router. Settings come from --config YAML, then ROUTER_<NAME> env vars, then these "
                     "flags (each flag is also a YAML key and an env var).",
-)
+    )
     serve.add_argument("--config", metavar="FILE", help="YAML file of settings (also ROUTER_CONFIG)")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
@@ -66,12 +91,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, serve
 
 
+def _short_usage() -> None:
+    print(f"usage: {SHORT_USAGE}\n{PROG}: error: a command is required (serve); {PROG} --help says more, "
+          f"{PROG} serve --help lists every flag", file=sys.stderr)
+
+
 def parse(argv: list[str]) -> Settings:
     """Flags to Settings; raises SystemExit(2) with one line on any problem."""
     args = build_parser().parse_args(argv)
     if args.command != "serve":
-        build_parser().print_help()
-        raise SystemExit(0 if not argv else 2)
+        _short_usage()
+        raise SystemExit(2)
     overrides = {}
     for name in Settings.model_fields:
         value = getattr(args, name)
@@ -80,7 +110,7 @@ def parse(argv: list[str]) -> Settings:
     try:
         return load_settings(args.config, overrides)
     except ConfigError as exc:
-        print(f"router: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -91,7 +121,7 @@ async def serve(settings: Settings) -> int:
     try:
         runner, url = await start(app, settings.host, settings.port)
     except OSError as exc:
-        print(f"router: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
     # Handlers go in before the line that tells a parent we are up, so its SIGTERM is never the default one.
@@ -128,13 +158,12 @@ def _loop_factory() -> typing.Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        # The top-level help also shows every setting: `serve` is the only command.
-        parser, serve_parser = _parsers()
-        parser.print_help()
-        print()
-        serve_parser.print_help()
-        return 0 if argv else 2
+    if not argv:
+        _short_usage()  # a bare command is a usage error: stderr, exit 2
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(SHORT_HELP)
+        return 0
     settings = parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

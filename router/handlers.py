@@ -20,6 +20,7 @@ from router.errors import (
     translate,
 )
 from router.exchange import BACKEND_HEADER
+from router.health import report, summary
 from router.pools import Backend
 from router.state import STATE, RouterState
 
@@ -45,7 +46,7 @@ async def unrouted(request: web.Request) -> web.StreamResponse:
         raise MethodNotAllowed(f"method {request.method} not allowed on {request.path[:200]}",
                                allow=",".join(allowed))
     raise NotFound(f"no route for {request.path[:200]!r}; the router serves only /v1/chat/completions, "
-                   "/v1/completions, /v1/models, /health, /ready and /metrics")
+                   "/v1/completions, /v1/models, /health, /ready, /metrics and /router/state")
 
 
 @web.middleware
@@ -105,6 +106,8 @@ async def models(request: web.Request) -> web.Response:
         for entry in entries:
             seen.setdefault(entry["id"], entry)
     if not seen:
+        if not backends:  # none is up: say why, as every other 503 of this kind does
+            raise NoHealthyBackend(f"no healthy backend: {summary(st.pools.backends)}", probes=report(st.pools.backends))
         raise NoHealthyBackend("no healthy backend answered /v1/models")
     return web.json_response({"object": "list", "data": list(seen.values())})
 
@@ -114,14 +117,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 once a backend passed its probes; both answers name every backend's state and last probe result."""
     pools = request.app[STATE].pools
     up = {b.url: b.healthy for b in pools.backends}
+    probes = report(pools.backends)
     if not pools.any_healthy():
-        err = NoHealthyBackend("no backend is healthy yet")
+        err = NoHealthyBackend(f"no backend is healthy yet: {summary(pools.backends)}")
         body = err.body()
         body["backends"] = up
+        body["probes"] = probes
         return web.json_response(body, status=503)
-    return web.json_response({"status": "ready", "backends": up})
+    return web.json_response({"status": "ready", "backends": up, "probes": probes})
 
 
 def metrics_handler(st: RouterState) -> Callable[[web.Request], Awaitable[web.Response]]:

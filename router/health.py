@@ -1,16 +1,60 @@
-"""Active /health probes of every backend, with failure and success thresholds."""
+"""Active health probes of every backend: thresholds, the /v1/models fallback, and saying why a backend is down."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 from router import upstream
+from router.errors import PROBE_FAILED, PROBE_OK, Failure
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.tasks import cancel
 
 log = logging.getLogger("router.health")
+
+# Every OpenAI-compatible server answers this; used when the health path does not exist there (llama.cpp through
+# llama-cpp-python, LM Studio, Ollama: 404 on /health), unless health_path was set explicitly.
+FALLBACK_PATH = "/v1/models"
+_MISSING = (404, 405)  # "no such path" (or method) is not "down"
+
+
+class ProbeState:
+    """What the checker keeps per backend (on `Backend.probe`): the path in use and the result last logged."""
+
+    __slots__ = ("path", "logged", "fell_back")
+
+    def __init__(self) -> None:
+        self.path: str | None = None  # None: the configured health_path
+        self.logged: str | None = None  # the result of the last WARNING, None while up
+        self.fell_back = False  # the fallback was announced (once per backend)
+
+
+def _state(b: Backend) -> ProbeState:
+    if not isinstance(b.probe, ProbeState):
+        b.probe = ProbeState()
+    return b.probe
+
+
+def describe_connect(exc: upstream.ConnectFailed) -> str:
+    e = exc.os_error
+    if e.errno == errno.ECONNREFUSED:
+        return "connection refused"
+    return f"cannot connect: {e.strerror or e}"
+
+
+def summary(backends: list[Backend], limit: int = 4) -> str:
+    """`URL (pool): last probe result; ...` for a 503 message, at most `limit` backends named."""
+    parts = [f"{b.url} ({b.pool}): {b.state()}, {b.last_probe}" for b in backends[:limit]]
+    if len(backends) > limit:
+        parts.append(f"{len(backends) - limit} more on /ready")
+    return "; ".join(parts)
+
+
+def report(backends: list[Backend]) -> dict[str, dict[str, str]]:
+    """Each backend's pool, state and last probe result, for /ready and 503 bodies."""
+    return {b.url: {"pool": b.pool, "state": b.state(), "last_probe": b.last_probe} for b in backends}
 
 
 class HealthChecker:
@@ -23,39 +67,91 @@ class HealthChecker:
         self.metrics = metrics
         self.first_round = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # An explicit health_path is the user's choice: probe only that.
+        self.fallback = "health_path" not in settings.model_fields_set and settings.health_path != FALLBACK_PATH
+
+    async def _get(self, b: Backend, path: str) -> int:
+        assert self.client is not None
+        status, _ = await upstream.get(self.client, b.url, path, b.auth_headers)
+        return status
 
     async def probe(self, b: Backend) -> None:
         s = self.settings
-        headers = b.auth_headers
+        st = _state(b)
         was = b.healthy
-        assert self.client is not None
+        path = st.path or s.health_path
+        if path == FALLBACK_PATH and st.path is not None and b.inflight:
+            # On the fallback, a backend serving our requests is not probed: llama-cpp-python's /v1/models waits
+            # for the model lock (a timeout behind any long generation) and, with its default interrupt_requests,
+            # cuts the running stream short. Its own answers are the evidence meanwhile (passive ejection).
+            return
         try:
             async with asyncio.timeout(s.health_timeout):
-                status, _ = await upstream.get(self.client, b.url, s.health_path, headers)
+                status = await self._get(b, path)
+                result = f"GET {path} -> {status}"
+                if status in _MISSING and self.fallback and path != FALLBACK_PATH:
+                    missing, path = status, FALLBACK_PATH
+                    status = await self._get(b, path)
+                    result += f", GET {path} -> {status}"
+                    if status == 200:
+                        st.path = FALLBACK_PATH  # from now on only the fallback
+                        result = f"GET {path} -> {status}"
+                        if not st.fell_back:
+                            st.fell_back = True
+                            log.info("backend %s (%s) answers GET %s with %d: probing GET %s instead "
+                                     "(set health_path to choose the path)", b.url, b.pool, s.health_path,
+                                     missing, FALLBACK_PATH)
+                elif status in _MISSING and st.path is not None:
+                    st.path = None  # the fallback is gone too: back to the configured path next time
                 ok = status == 200
         except upstream.ConnectFailed as exc:
             if upstream.is_local(exc):
                 # Our own trouble (file descriptors, DNS) says nothing about the backend: no verdict.
                 log.warning("health probe of %s not sent: %s", b.url, exc)
-                self.metrics.health_probes.labels(b.url, "local").inc()
+                self.metrics.health_probes.labels(b.url, Failure.LOCAL).inc()
                 return
             # Refused counts like any failed probe: one refusal (a restart) must not take it out alone.
+            b.last_probe = describe_connect(exc)
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "refused").inc()
-        except upstream.TRANSPORT_ERRORS:
+            self.metrics.health_probes.labels(b.url, Failure.REFUSED).inc()
+        except TimeoutError:
+            b.last_probe = f"GET {path}: no answer within {s.health_timeout:g} s"
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_FAILED).inc()
+        except upstream.TRANSPORT_ERRORS as exc:
+            b.last_probe = f"GET {path}: {exc or type(exc).__name__}"
+            b.probe_failed(s.health_failure_threshold)
+            self.metrics.health_probes.labels(b.url, PROBE_FAILED).inc()
         else:
+            b.last_probe = result
             if ok:
                 b.probe_ok(s.health_success_threshold)
             else:
                 b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "ok" if ok else "failed").inc()
-        if b.healthy != was:
-            log.log(logging.INFO if b.healthy else logging.WARNING, "backend %s (%s) is now %s", b.url, b.pool,
-                    "up" if b.healthy else "down")
-            if not b.healthy:
-                self.pools.tick()  # it may have been the last routable one: ejected backends come back now
+            self.metrics.health_probes.labels(b.url, PROBE_OK if ok else PROBE_FAILED).inc()
+        self._say(b, st, was)
+        if was and not b.healthy:
+            self.pools.tick()  # it may have been the last routable one: ejected backends come back now
+
+    @staticmethod
+    def _say(b: Backend, st: ProbeState, was: bool) -> None:
+        """Up: INFO once. Not up: WARNING after the first probe, on going down, and whenever the result changes,
+        so a backend that never comes up is never silent and one that stays down does not repeat itself."""
+        if b.healthy:
+            if not was:
+                log.info("backend %s (%s) is now up", b.url, b.pool)
+            st.logged = None
+            return
+        if st.logged == b.last_probe:
+            return
+        if was:
+            how = "is now down"
+        elif st.logged is None:
+            how = "is not up"
+        else:
+            how = "is still down"
+        log.warning("backend %s (%s) %s: %s", b.url, b.pool, how, b.last_probe)
+        st.logged = b.last_probe
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.pools.backends))

@@ -11,10 +11,10 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
+from router.curves import parse_curve
 from router.outlier import OutlierConfig
 
 PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive"]
-POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive")
 ENV_PREFIX = "ROUTER_"
 
 
@@ -68,16 +68,7 @@ def _split_curve(value: Any) -> Any:
             return json.loads(text)
         except ValueError:
             raise ValueError("curve is not valid JSON") from None
-    points = []
-    for part in text.split(","):
-        c, sep, tok = part.strip().partition(":")
-        try:
-            points.append((float(c), float(tok)))
-        except ValueError:
-            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)") from None
-        if not sep:
-            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)")
-    return points
+    return list(parse_curve(text))
 
 
 def _check_curve(points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:
@@ -109,7 +100,7 @@ class Settings(BaseSettings):
 
     speculative_curve: CurveSetting = Field(
         None, description="balanced policy: measured output tok/s of ONE speculative instance vs concurrency, "
-        "\"1:77.5,2:125.1,...\" (YAML: list of [c, tok_s]); `python -m bench calibrate` prints it")
+        "\"1:77.5,2:125.1,...\" (YAML: list of [c, tok_s]); `spec-bench calibrate` prints it")
     baseline_curve: CurveSetting = Field(
         None, description="balanced policy: the same for ONE baseline instance")
 
@@ -230,7 +221,7 @@ class Settings(BaseSettings):
             raise ValueError("eject_max_seconds must be at least eject_base_seconds")
         if self.policy == "balanced" and self.curves() is None:
             raise ValueError("policy balanced needs speculative_curve and baseline_curve "
-                             "(measured tok/s per instance; `python -m bench calibrate` prints both)")
+                             "(measured tok/s per instance; `spec-bench calibrate` prints both)")
         return self
 
 
@@ -252,10 +243,14 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def describe(exc: ValidationError) -> str:
-    """One line naming the first problem of a validation error."""
+def describe(exc: ValidationError, origin: dict[str, str] | None = None) -> str:
+    """One line naming the first problem of a validation error, and where the value came from when known
+    (`threshold (env ROUTER_THRESHOLD): ...`)."""
     err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int))
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    where = ".".join(loc)
+    if loc and origin and loc[0] in origin:
+        where += f" ({origin[loc[0]]})"
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = "unknown setting"
@@ -269,14 +264,20 @@ def load_settings(config_file: str | None = None, overrides: dict[str, Any] | No
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
     data: dict[str, Any] = _read_yaml(path) if path else {}
     env_values = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"}
+    # Where each setting's value came from, so an error names what the user must fix (the variable, the flag).
+    origin = {k: f"config file {path}" for k in data}
     try:
         source = EnvSettingsSource(Settings, case_sensitive=False, env_prefix=ENV_PREFIX)
         source.env_vars = {k.lower(): v for k, v in env_values.items()}
-        data.update(source())
-        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        from_env = source()
+        data.update(from_env)
+        origin.update({k: f"env {ENV_PREFIX}{k.upper()}" for k in from_env})
+        flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+        data.update(flags)
+        origin.update({k: "--" + k.replace("_", "-") for k in flags})
         # Only init values are used: the environment was read above, from `env`, exactly once.
         return Settings.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(describe(exc)) from None
+        raise ConfigError(describe(exc, origin)) from None
     except SettingsError as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None

@@ -35,7 +35,11 @@ declare -A MODULE_TESTS=(
     tests/test_router_proxy.py::test_stream_usage_is_stripped_unless_asked_and_still_counted"
   [router/watchdog.py]="tests/test_watchdog.py tests/test_router_hotpath.py::test_slow_reader_lease_ends_with_the_backend_and_its_connection_after_write_timeout
     tests/test_reliability_faults.py::test_stall_mid_stream_is_an_sse_error_then_done_and_aborts
-    tests/test_reliability_outlier.py::test_streams_that_stall_after_good_headers_eject"
+    tests/test_reliability_outlier.py::test_streams_that_stall_after_good_headers_eject
+    tests/test_upstream_errors.py::test_no_headers_in_time_is_504_no_first_byte
+    tests/test_proxy_branches.py::test_hang_before_headers_is_504_and_not_retried
+    tests/test_router_lifecycle.py::test_first_byte_timeout_is_504_and_aborts
+    tests/test_exchange.py::test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503"
   [router/upstream.py]="tests/test_router_h1.py tests/test_upstream_errors.py tests/test_proxy_branches.py
     tests/test_router_proxy.py tests/test_router_errors.py
     tests/test_router_health.py::test_a_local_failure_gives_no_verdict

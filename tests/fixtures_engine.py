@@ -52,11 +52,12 @@ def engine_pair(engine_model, tmp_path_factory):
 
 @pytest.fixture
 def engine_factory(engine_model, tmp_path):
-    """`engine_factory(speculative=bool) -> Engine`: a private engine (for killing), stopped at teardown."""
+    """`engine_factory(speculative=bool, **engine_args) -> Engine`: a private engine (for killing, or with other
+    server flags such as `interrupt_requests=True`), stopped at teardown."""
     started: list[eng.Engine] = []
 
-    def make(*, speculative: bool) -> eng.Engine:
-        e = eng.start_engine(engine_model, speculative=speculative, log_dir=tmp_path)
+    def make(*, speculative: bool, **kw) -> eng.Engine:
+        e = eng.start_engine(engine_model, speculative=speculative, log_dir=tmp_path, **kw)
         started.append(e)
         return e
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import calibrate, compare, equal
+from bench import calibration, compare, equal
 
 FAST = 50.0
 
@@ -66,7 +66,7 @@ def test_one_winner_everywhere_says_by_how_much():
     gpus = {"split": 8, "tp8": 8}
     rows = equal.judge(results, ["split"], ["tp8"], gpus)
     assert equal.headline(rows, ["split"], ["tp8"], gpus) == (
-        "verdict: tp8 wins on throughput at every level measured (1,10); the best router configuration "
+        "verdict: tp8 wins on throughput at every level measured (c=1,10); the best router configuration "
         "reaches 0.50-0.75x of its throughput there (every deployment here uses 8 GPUs)")
 
 
@@ -76,8 +76,8 @@ def test_a_level_within_the_noise_band_is_a_tie():
     rows = equal.judge(results, ["global"], ["tp8"], gpus)
     assert rows[0]["throughput_winner"] == "global"  # by 0.1%: not a win
     lines = equal.verdict_lines(rows, ["global"], ["tp8"], gpus)
-    assert lines[0] == ("verdict: tp8 wins on throughput at every other level (10); ties within the 3% noise band: "
-                        "global and tp8 at c=1; the best router configuration reaches 0.67-0.67x of its throughput there "
+    assert lines[0] == ("verdict: tp8 wins on throughput at the one other level (c=10); ties within the 3% noise band: "
+                        "global and tp8 at c=1; the best router configuration reaches 0.67x of its throughput there "
                         "(every deployment here uses 8 GPUs)")
     assert lines[1].startswith("c=1: throughput: global and tp8 tie (1.00x, within the 3% noise band)")
     rows = equal.judge({"global": [fig(1, 91.9, 1000)], "tp8": [fig(1, 91.8, 1000)]}, ["global"], ["tp8"], gpus)
@@ -96,13 +96,13 @@ def test_unequal_hardware_is_said_in_the_same_line():
 
 
 def test_global_threshold_where_the_curves_cross():
-    spec = calibrate.Curve([1, 10, 30], [100.0, 400.0, 500.0], [1000.0, 2000.0, 3000.0])
-    base = calibrate.Curve([1, 10, 30], [80.0, 380.0, 700.0], [1000.0, 2000.0, 3000.0])
+    spec = calibration.Curve([1, 10, 30], [100.0, 400.0, 500.0], [1000.0, 2000.0, 3000.0])
+    base = calibration.Curve([1, 10, 30], [80.0, 380.0, 700.0], [1000.0, 2000.0, 3000.0])
     # spec - base: +20 at 10, -200 at 30; straight lines cross at 10 + 20/220 * 20 = 11.8
     assert compare.global_threshold(spec, base) == 11
-    slower = calibrate.Curve([1, 10, 30], [70.0, 300.0, 400.0], [1.0, 1.0, 1.0])
+    slower = calibration.Curve([1, 10, 30], [70.0, 300.0, 400.0], [1.0, 1.0, 1.0])
     assert compare.global_threshold(slower, base) == 0
-    always = calibrate.Curve([1, 10, 30], [100.0, 400.0, 800.0], [1.0, 1.0, 1.0])
+    always = calibration.Curve([1, 10, 30], [100.0, 400.0, 800.0], [1.0, 1.0, 1.0])
     assert compare.global_threshold(always, base) == 30
     assert [compare.default_hysteresis(t) for t in (0, 1, 11, 40)] == [0, 1, 2, 10]
 

@@ -195,15 +195,13 @@ def test_factory_builds_one_object_per_policy_and_rejects_unknown_names():
         P.build("fastest")
 
 
-def test_factory_builds_adaptive_only_by_name_and_only_with_its_builder():
-    """mutmut: `name == "adaptive" and adaptive is not None` -> `or`, `!=`, another string, `is None`."""
-    sentinel = P.RoundRobin()
-    assert P.build("adaptive", adaptive=lambda: sentinel) is sentinel
+def test_factory_builds_the_fixed_policies_and_leaves_adaptive_to_the_app():
+    """policy.build knows the policies without settings of their own; adaptive is router.app.make_policy's."""
     with pytest.raises(ValueError, match="unknown policy 'adaptive'"):
         P.build("adaptive")
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
-        P.build("fastest", adaptive=lambda: sentinel)
-    assert type(P.build("least-inflight", adaptive=lambda: sentinel)) is P.LeastInflight
+        P.build("fastest")
+    assert type(P.build("least-inflight")) is P.LeastInflight
 
 
 def test_policies_read_live_backends_without_copies():
@@ -330,14 +328,26 @@ def test_balanced(curves, loads, pinned, pool, url, reason):
 def test_balanced_with_one_pool_configured_and_none_healthy():
     only = View.of([BackendLoad(B1, "baseline", 7, True)])
     d = decide(only, policy="balanced", threshold=0, curves=SEED)
-    assert (d.url, d.reason) == (B1, FASTER)  # not a failover: there is no other pool
+    assert (d.url, d.reason) == (B1, P.ONLY)  # not a failover, nor a faster pool: there is no other pool
     # the same with only the speculative pool (mutmut: sole_pool's pool choice, `other(pool)`, bool(spec))
     only = View.of([BackendLoad(S1, "speculative", 7, True)])
     d = decide(only, policy="balanced", threshold=0, curves=SEED)
-    assert (d.url, d.reason) == (S1, FASTER)
+    assert (d.url, d.reason) == (S1, P.ONLY)
     assert decide(snap(0, 0, s1_up=False, b1_up=False), policy="balanced", threshold=0, curves=SEED) is None
     with pytest.raises(ValueError, match="^the balanced policy needs both throughput curves$"):
         decide(snap(0, 0), policy="balanced", threshold=0)
+
+
+@pytest.mark.parametrize("policy", ["spillover", "global"])
+def test_one_configured_pool_is_counted_as_only_pool(policy):
+    """A baseline-only router is never "above threshold", a speculative-only one over its threshold never
+    "failover": there was no choice between pools. Pinning and the backend-level policies keep their reasons."""
+    base_only = View.of([BackendLoad(B1, "baseline", 0, True)])
+    spec_only = View.of([BackendLoad(S1, "speculative", 9, True)])
+    assert (decide(base_only, policy=policy, threshold=4).reason, decide(spec_only, policy=policy, threshold=4).reason,
+            decide(spec_only, policy=policy, threshold=40).reason) == (P.ONLY, P.ONLY, P.ONLY)
+    assert decide(base_only, policy=policy, threshold=4, pinned="speculative").reason == P.FAILOVER
+    assert decide(base_only, policy="least-inflight").reason == P.LEAST
 
 
 def _greedy(curves, n: int, n_spec: int = 1, n_base: int = 1) -> Counter:

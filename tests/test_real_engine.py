@@ -56,7 +56,7 @@ async def test_non_streaming_answer_identical_through_router_and_direct(engine_p
 async def stream_chunks(url: str, headers: dict | None = None, **extra) -> list[dict]:
     async with client(url) as c:
         stream = await c.chat.completions.create(model=MODEL_NAME, messages=PROMPT, stream=True,
-                                                 extra_headers=headers, **GREEDY, **extra)
+                                                 extra_headers=headers, **{**GREEDY, **extra})
         return [normal(chunk.model_dump()) async for chunk in stream]
 
 
@@ -214,3 +214,53 @@ async def test_bench_engines_cli_starts_both_and_stops_on_sigterm(engine_model):
             with pytest.raises(aiohttp.ClientConnectionError):
                 async with s.get(url + HEALTH_PATH):
                     pass
+
+
+async def test_router_with_default_settings_serves_both_engines(engine_pair):
+    """`spec-router serve` with nothing but the two URLs: llama-cpp-python has no /health, so the probes fall
+    back to /v1/models (logged once per engine) and both pools answer, streamed and not."""
+    from bench.procs import start
+
+    urls = {"speculative": engine_pair.speculative.url, "baseline": engine_pair.baseline.url}
+    p = start("router", ["router", "serve", "--speculative", urls["speculative"], "--baseline", urls["baseline"],
+                         "--port", "0"])
+    try:
+        async with aiohttp.ClientSession() as s:
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:  # the first probe round runs at start-up; bounded all the same
+                async with s.get(p.url + "/ready") as r:
+                    body = await r.json()
+                if r.status == 200 and all(body["backends"].values()):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, f"engines never healthy: {body}"
+                await asyncio.sleep(0.2)
+        assert {u: b["last_probe"] for u, b in body["probes"].items()} == {
+            u: "GET /v1/models -> 200" for u in urls.values()}
+        for pool, engine_url in urls.items():
+            async with client(p.url) as c:
+                raw = await c.chat.completions.with_raw_response.create(
+                    model=MODEL_NAME, messages=PROMPT, extra_headers={"X-Router-Pool": pool}, **GREEDY)
+            assert raw.headers["X-Router-Backend"] == engine_url
+            assert raw.parse().choices[0].message.content
+            assert len(await stream_chunks(p.url, {"X-Router-Pool": pool})) > 3
+    finally:
+        rc = p.stop(grace=15)
+    log = "".join(p._stderr)
+    assert rc == 0, log
+    for pool, engine_url in urls.items():
+        assert log.count(f"backend {engine_url} ({pool}) answers GET /health with 404: probing GET /v1/models "
+                         "instead") == 1, log
+    assert "WARNING" not in log, log
+
+
+async def test_default_router_never_cuts_a_stream_on_an_engine_with_its_own_defaults(engine_factory, router_factory):
+    """llama-cpp-python as it ships (interrupt_requests true) ends a running stream early, with [DONE], when any
+    other request arrives, and the router's /v1/models fallback probe is such a request. Probing every 0.2 s with
+    the default health_path, a streamed answer through the router must still equal the direct one."""
+    engine = engine_factory(speculative=False, interrupt_requests=True)
+    # Direct first: once the router probes, any stream it does not carry itself is cut (docs/ENGINES.md).
+    direct = await stream_chunks(engine.url, max_tokens=48)
+    router = await router_factory([], [engine.url])
+    assert router.state.pools.backends[0].last_probe == "GET /v1/models -> 200"
+    routed = await stream_chunks(router.url, max_tokens=48)
+    assert len(direct) > 20 and routed == direct

@@ -64,9 +64,10 @@ async def test_models_with_no_healthy_backend_is_503_with_its_message(raw_backen
     router = await router_factory([down.url], [], wait_ready=False)
     await all_probed(router)
     status, _, raw = await get(router.url + "/v1/models")
-    assert (status, json.loads(raw)) == (503, {"error": {"message": "no healthy backend answered /v1/models",
-                                                         "type": "service_unavailable",
-                                                         "code": "no_healthy_backend"}})
+    assert (status, json.loads(raw)) == (503, {
+        "error": {"message": f"no healthy backend: {down.url} (speculative): down, GET /health -> 503",
+                  "type": "service_unavailable", "code": "no_healthy_backend"},
+        "probes": {down.url: {"pool": "speculative", "state": "down", "last_probe": "GET /health -> 503"}}})
 
 
 async def test_ready_and_health_documents(raw_backend_factory, router_factory):
@@ -76,14 +77,20 @@ async def test_ready_and_health_documents(raw_backend_factory, router_factory):
     router = await router_factory([up.url], [down.url], wait_ready=False)
     await all_probed(router)
     status, _, raw = await get(router.url + "/ready")
-    assert (status, json.loads(raw)) == (200, {"status": "ready", "backends": {up.url: True, down.url: False}})
+    assert (status, json.loads(raw)) == (200, {
+        "status": "ready", "backends": {up.url: True, down.url: False},
+        "probes": {up.url: {"pool": "speculative", "state": "up", "last_probe": "GET /health -> 200"},
+                   down.url: {"pool": "baseline", "state": "down", "last_probe": "GET /health -> 503"}}})
     up.routes["/health"] = json_answer(503, {})
     assert await poll(lambda: not router.state.pools.backends[0].healthy, 10)
     status, _, raw = await get(router.url + "/ready")
     assert (status, json.loads(raw)) == (503, {
-        "error": {"message": "no backend is healthy yet", "type": "service_unavailable",
-                  "code": "no_healthy_backend"},
-        "backends": {up.url: False, down.url: False}})
+        "error": {"message": f"no backend is healthy yet: {up.url} (speculative): down, GET /health -> 503; "
+                             f"{down.url} (baseline): down, GET /health -> 503",
+                  "type": "service_unavailable", "code": "no_healthy_backend"},
+        "backends": {up.url: False, down.url: False},
+        "probes": {up.url: {"pool": "speculative", "state": "down", "last_probe": "GET /health -> 503"},
+                   down.url: {"pool": "baseline", "state": "down", "last_probe": "GET /health -> 503"}}})
     status, _, raw = await get(router.url + "/health")
     assert (status, json.loads(raw)) == (200, {"status": "ok"})
 
@@ -95,7 +102,7 @@ async def test_unrouted_paths_say_what_is_served(raw_backend_factory, router_fac
     status, _, raw = await get(router.url + "/nope")
     assert (status, json.loads(raw)["error"]["message"]) == (404, (
         "no route for '/nope'; the router serves only /v1/chat/completions, /v1/completions, /v1/models, "
-        "/health, /ready and /metrics"))
+        "/health, /ready, /metrics and /router/state"))
     long = "/x" * 150
     status, _, raw = await get(router.url + long)
     assert json.loads(raw)["error"]["message"].startswith(f"no route for {long[:200]!r};")

@@ -12,6 +12,7 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import exporter
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.observe import Attempt
@@ -26,7 +27,8 @@ def make(spec: list[str], base: list[str] = (), keys=None, **settings) -> tuple[
            "health_success_threshold": 1, **settings}
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    pools = Pools(spec, base, policy="spillover", threshold=1, keys=keys, metrics=metrics)
+    pools = Pools(spec, base, policy="spillover", threshold=1, keys=keys)
+    exporter.bind(metrics, pools)
     return HealthChecker(pools, Settings(speculative=spec, baseline=list(base), **cfg), metrics), pools, registry
 
 
@@ -66,6 +68,11 @@ async def test_each_probe_outcome_is_counted_and_decides_health(raw_backend_fact
                        slow.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        reset.url: {"ok": 0, "failed": 1, "refused": 0, "local": 0},
                        gone.url: {"ok": 0, "failed": 0, "refused": 1, "local": 0}}
+    # each result in words, as /ready, the 503s and the log show it
+    said = {b.url: b.last_probe for b in pools.backends}
+    assert (said[ok.url], said[bad.url], said[slow.url], said[gone.url]) == (
+        "GET /health -> 200", "GET /health -> 503", "GET /health: no answer within 1.5 s", "connection refused")
+    assert said[reset.url].startswith("GET /health: ") and len(said[reset.url]) > len("GET /health: ")
     # one probe each (aiohttp itself sends an idempotent GET again once after a reset: not counted here)
     assert [b.hits["/health"] for b in (ok, bad, slow)] == [1, 1, 1]
 
@@ -177,7 +184,7 @@ async def test_going_down_brings_ejected_backends_back_and_is_logged(raw_backend
     finally:
         await checker.stop()
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"]
-    assert records == [("WARNING", f"backend {last.url} (baseline) is now down"),
+    assert records == [("WARNING", f"backend {last.url} (baseline) is now down: GET /health -> 503"),
                        ("INFO", f"backend {last.url} (baseline) is now up")]
 
 

@@ -159,8 +159,10 @@ async def test_no_healthy_backend_503_and_ready(sim_factory, router_factory):
     async with aiohttp.ClientSession() as s:
         async with s.post(router.url + "/v1/chat/completions", json=CHAT_BODY) as r:
             assert r.status == 503
-            assert (await r.json())["error"] == {"message": "no healthy backend in either pool",
-                                                 "type": "service_unavailable", "code": "no_healthy_backend"}
+            assert await r.json() == {
+                "error": {"message": f"no healthy backend: {spec.url} (speculative): down, GET /health -> 503",
+                          "type": "service_unavailable", "code": "no_healthy_backend"},
+                "probes": {spec.url: {"pool": "speculative", "state": "down", "last_probe": "GET /health -> 503"}}}
         async with s.get(router.url + "/ready") as r:
             assert r.status == 503
         async with s.get(router.url + "/health") as r:

@@ -42,7 +42,7 @@ def test_example_config_is_valid():
     ("speculative: [ftp://x]", {}, {}, "bad backend URL"),
     ("speculative: [http://x:1]", {"ROUTER_THRESHOLD": "-1"}, {}, "threshold"),
     ("speculative: [http://x:1]", {}, {"policy": "fastest"}, "policy"),
-    ("speculative: [http://x:1]\nbogus: 1", {}, {}, "bogus: unknown setting"),
+    ("speculative: [http://x:1]\nbogus: 1", {}, {}, "unknown setting"),
     ("speculative: [http://x:1", {}, {}, "not valid YAML"),
     ("- a\n- b", {}, {}, "mapping"),
     ("speculative: [http://x:1]\nbaseline: [http://x:1]", {}, {}, "both pools"),
@@ -113,7 +113,7 @@ def test_cli_bad_config_is_one_line_exit_2(args):
     res = _cli(*args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("router: error:"), res.stderr
+    assert len(lines) == 1 and lines[0].startswith("spec-router: error:"), res.stderr
     assert "Traceback" not in res.stderr
 
 

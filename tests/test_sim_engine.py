@@ -261,7 +261,9 @@ async def test_a_long_prompt_is_prefilled_in_chunks_that_delay_the_running_batch
         # the running request kept decoding meanwhile (its token of that last step comes just after) ...
         assert generated_then - generated == chunks
         decode = sum(p.step_ms(1) + p.kv_ms_per_ktoken * (20 + generated + 1 + i) / 1000 for i in range(chunks))
-        prefill = chunks * p.prefill_base_ms + 30_000 * p.prefill_ms_per_token
+        # attention: every token of the prompt attends to all before it, chunk by chunk: 30000*30001/2 pairs
+        prefill = (chunks * p.prefill_base_ms + 30_000 * p.prefill_ms_per_token
+                   + p.prefill_attention_ms_per_mpair * 30_000 * 30_001 / 2 / 1e6)
         # ... but each of those steps also carried a chunk of the prefill (simulated seconds)
         assert busy_then - busy == pytest.approx((decode + prefill) / 1000, rel=1e-6)
     finally:

@@ -181,7 +181,8 @@ async def test_admin_endpoint_validates(sim_factory):
             stats = await r.json()
         assert set(stats) == {"running", "queued", "requests_total", "completed_total", "aborted_total",
                               "faults_injected", "max_total_tokens", "busy_s", "gpu_wait_s", "gpu_switches",
-                              "colocated_with", "drift", "drift_changes"}
+                              "colocated_with", "drift", "drift_changes", "prompt_tokens_total",
+                              "cached_tokens_total", "cache_hit_ratio", "radix_cache", "reserved_tokens"}
         assert stats["colocated_with"] == [] and stats["gpu_wait_s"] == 0
 
 

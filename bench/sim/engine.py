@@ -7,11 +7,13 @@ import functools
 import hashlib
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
 from bench.sim.gpu import Gpu
 from bench.sim.profiles import Profile
+from bench.sim.radix import Node, RadixCache
 
 _WORDS = (
     "the of and to in is that for it as with was on be by this are from or at an which not have but "
@@ -41,6 +43,26 @@ class QueueFull(Exception):
 def count_tokens(text: str) -> int:
     """A stand-in tokenizer: words and punctuation marks (about what a BPE tokenizer gives for English)."""
     return len(_TOKEN_RE.findall(text))
+
+
+def tokenize(text: str) -> list[str]:
+    """The stand-in tokenizer's tokens (interned: a cache of a million tokens holds one copy of each word)."""
+    return list(map(sys.intern, _TOKEN_RE.findall(text)))
+
+
+# chat template tokens around each message and before the reply (Kimi's <|im_user|>...<|im_end|> shape)
+_MSG_OPEN, _MSG_MIDDLE, _MSG_END = "<|im_start|>", "<|im_middle|>", "<|im_end|>"
+
+
+def chat_key(messages: list[tuple[str, str]]) -> list[str]:
+    """A chat prompt's tokens: 4 template tokens per message (open, role, middle, end) plus 3 for the reply."""
+    key: list[str] = []
+    for role, text in messages:
+        key += [_MSG_OPEN, sys.intern(role), _MSG_MIDDLE]
+        key += tokenize(text)
+        key.append(_MSG_END)
+    key += [_MSG_OPEN, "assistant", _MSG_MIDDLE]
+    return key
 
 
 def is_coding(text: str) -> bool:
@@ -129,6 +151,11 @@ class SimRequest:
     accept_z: float = 0.0  # where this request's accept length sits around its class mean (in spreads)
     prefill_left: int = 0  # prompt tokens still to prefill (chunked prefill spreads a long prompt over steps)
     prefilled: bool = False
+    # the prompt's tokens for the prefix cache (None: not cacheable, e.g. a request built without its text)
+    key: list | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at admission (SGLang's meta_info cached_tokens)
+    cache_node: Node | None = None  # the tree node this request holds (locked) while it runs
+    reserve: int = 0  # KV tokens reserved for it outside the tree (its uncached prompt, then its output)
     stream: bool = False
     generated: int = 0
     emitted_chars: int = 0
@@ -152,7 +179,7 @@ class SimRequest:
 
 def build_request(
     rid: str, prompt_text: str, prompt_tokens: int, *, profile: Profile, seed: int,
-    max_tokens: int | None, stop: list[str], ignore_eos: bool, stream: bool,
+    max_tokens: int | None, stop: list[str], ignore_eos: bool, stream: bool, key: list | None = None,
 ) -> SimRequest:
     """Decide the whole output of a request up front from (prompt, seed): same inputs, same bytes."""
     digest = hashlib.sha256(f"{seed}\x00{prompt_text}".encode()).digest()
@@ -197,7 +224,7 @@ def build_request(
     return SimRequest(
         rid=rid, prompt_text=prompt_text, prompt_tokens=prompt_tokens, tokens=tokens,
         finish_reason=finish_reason, matched_stop=matched, text=text, accept_rate=rate, rng=rng,
-        stream=stream, coding=coding, accept_z=accept_z,
+        stream=stream, coding=coding, accept_z=accept_z, key=key,
     )
 
 
@@ -219,7 +246,7 @@ class Engine:
 
     def __init__(self, profile: Profile, *, speedup: float = 1.0, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, max_total_tokens: int | None = None,
-                 gpu: Gpu | None = None) -> None:
+                 gpu: Gpu | None = None, radix_cache: bool = True) -> None:
         self.profile = profile
         self.speedup = speedup
         self.max_running = max_running_requests or profile.max_running_requests
@@ -229,7 +256,16 @@ class Engine:
         self.gpu = gpu
         if gpu is not None:
             gpu.engines.append(self)
-        self.reserved_tokens = 0  # KV the running requests will hold at their end (prompt + output)
+        # KV reserved for running requests outside the prefix cache: each one's uncached prompt until it is
+        # prefilled (then it enters the tree), and its whole output (it enters the tree when the request ends)
+        self.reserved_tokens = 0
+        # SGLang's RadixCache (None: --disable-radix-cache); it shares max_total_tokens with the reservations
+        self.cache: RadixCache | None = RadixCache() if radix_cache else None
+        self.prompt_tokens_admitted = 0  # prompt tokens of admitted requests, and how many of them were cached
+        self.cached_tokens_total = 0
+        self.prefill_computed_total = 0  # prompt tokens actually prefilled (SGLang's total_prefill_uncached_tokens)
+        self.last_cache_hit_rate = 0.0  # hit / (hit + computed) of the last prefill step, as SGLang reports it
+        self._hit_window: collections.deque[tuple[float, int, int]] = collections.deque()  # (wall, hit, total)
         self.deadline = 0.0  # wall time at which the current step ends
         self.busy_s = 0.0  # simulated seconds of GPU time this engine's steps took
         self.gpu_wait_s = 0.0  # simulated seconds its steps waited for a co-located server's steps
@@ -266,7 +302,24 @@ class Engine:
         return bool(self.running or self.waiting)
 
     def used_tokens(self) -> int:
-        return sum(r.prompt_tokens + r.generated for r in self.running)
+        """KV tokens in use (SGLang: total minus free minus evictable): running requests' tokens, a shared
+        prefix counted once; cached tokens no running request holds are not counted."""
+        if self.cache is None:
+            return sum(r.prompt_tokens + r.generated for r in self.running)
+        own = sum(r.generated + (0 if r.prefilled and r.key is not None
+                                 else r.prompt_tokens - r.cached_tokens - r.prefill_left) for r in self.running)
+        return self.cache.protected_size + own
+
+    def cache_size(self) -> int:
+        return self.cache.total_size if self.cache is not None else 0
+
+    def recent_cache_hit_rate(self, window: float = 15.0) -> float:
+        """Cached / prompt tokens prefilled over the last `window` simulated seconds (SGLang's 15 s window)."""
+        horizon = time.monotonic() - window / self.speedup
+        while self._hit_window and self._hit_window[0][0] < horizon:
+            self._hit_window.popleft()
+        total = sum(t for _, _, t in self._hit_window)
+        return sum(h for _, h, _ in self._hit_window) / total if total else 0.0
 
     def token_usage(self) -> float:
         return min(1.0, self.used_tokens() / self.max_total_tokens)
@@ -374,7 +427,7 @@ class Engine:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-            self.reserved_tokens -= req.prompt_tokens + len(req.tokens)
+            self._release(req)
         req.state = "aborted"
         req.finished_at = time.monotonic()
         self.aborted_total += 1
@@ -404,10 +457,10 @@ class Engine:
                 req.state = "running"
                 req.admitted_at = now
                 req.accept_rate = self._rate_for(req)
-                req.prefill_left = req.prompt_tokens
+                req.prefill_left = req.prompt_tokens - req.cached_tokens
                 self.running.append(req)
-            prefill_tokens, prefilled = self._prefill_chunk()
-            step = self.step_ms(decoding) + self.profile.prefill_ms(prefill_tokens)
+            prefill_tokens, pairs, prefilled = self._prefill_chunk()
+            step = self.step_ms(decoding) + self.profile.prefill_ms(prefill_tokens, pairs)
             if self.gpu is not None:
                 await self.gpu.wait_turn(self, deadline)
             deadline = self._schedule(deadline, step)
@@ -433,35 +486,102 @@ class Engine:
             step += self.profile.kv_ms_per_ktoken * held / 1000.0
         return step
 
-    def _prefill_chunk(self) -> tuple[int, list[SimRequest]]:
-        """This step's prefill: up to chunked_prefill_size prompt tokens, oldest request first.
+    def _prefill_chunk(self) -> tuple[int, int, list[SimRequest]]:
+        """This step's prefill: up to chunked_prefill_size uncached prompt tokens, oldest request first.
 
-        Returns (tokens prefilled now, the requests whose prefill completes in this step)."""
+        Returns (tokens prefilled now, their causal attention pairs, the requests whose prefill completes).
+        A chunk's tokens attend to everything before them, the cached prefix included: a chunk of t tokens
+        starting at position s makes t*s + t(t+1)/2 query-key pairs (SGLang's `_prefill_attention_pairs`)."""
         budget = self.profile.chunked_prefill_size
-        tokens, done = 0, []
+        tokens, pairs, hit, done = 0, 0, 0, []
         for req in self.running:
             if req.prefilled:
                 continue
             if req.prefill_left and not budget:
                 break
+            start = req.prompt_tokens - req.prefill_left
+            if start == req.cached_tokens:  # its first chunk: the cache hit counts in this prefill batch
+                hit += req.cached_tokens
             take = min(req.prefill_left, budget)
             req.prefill_left -= take
             budget -= take
             tokens += take
+            pairs += take * start + take * (take + 1) // 2
             if not req.prefill_left:
                 req.prefilled = True
                 done.append(req)
-        return tokens, done
+                self._cache_prompt(req)
+        self.prefill_computed_total += tokens
+        if tokens or hit:
+            self.last_cache_hit_rate = hit / (hit + tokens)
+            now = time.monotonic()
+            self._hit_window.append((now, hit, hit + tokens))
+            while now - self._hit_window[0][0] > 15.0 / self.speedup:
+                self._hit_window.popleft()
+        return tokens, pairs, done
+
+    # -- the prefix cache ------------------------------------------------------------------------
+    def _cache_prompt(self, req: SimRequest) -> None:
+        """After prefill the prompt's KV enters the tree, held by the request; tokens another request put
+        there meanwhile are duplicates and freed. Its reservation keeps only its output."""
+        if self.cache is None or req.key is None:
+            return  # no tree: the prompt's KV stays the request's own until it ends
+        own = req.prompt_tokens - req.cached_tokens
+        req.reserve -= own
+        self.reserved_tokens -= own
+        _, node = self.cache.insert(req.key)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _release(self, req: SimRequest) -> None:
+        """A request leaves the batch: what it computed (prompt, then output but its last token, whose KV is
+        never written) enters the tree unheld, evictable from now on; its reservation is freed."""
+        self.reserved_tokens -= req.reserve
+        req.reserve = 0
+        cache = self.cache
+        if cache is None or req.key is None:
+            return
+        if req.prefilled and req.generated > 1:
+            out = tokenize("".join(req.tokens[:req.generated - 1]))
+            _, node = cache.insert(req.key + out)
+            cache.unlock(req.cache_node)
+            # the insert may have needed room beyond what the request held: keep the total within capacity
+            over = cache.total_size + self.reserved_tokens - self.max_total_tokens
+            if over > 0:
+                cache.evict(over)
+        elif req.cache_node is not None:
+            cache.unlock(req.cache_node)
+        req.cache_node = None
 
     def _admit(self) -> list[SimRequest]:
-        """Waiting requests (first come, first served) that fit in a batch slot and in the KV capacity."""
+        """Waiting requests (first come, first served) that fit in a batch slot and in the KV capacity.
+
+        A request's longest cached prefix (at most all of its prompt but the last token, as SGLang matches)
+        is held for it; it needs room for the rest of its prompt and its whole output, and cached tokens no
+        running request holds are evicted (least recently used first) to make that room."""
         admitted: list[SimRequest] = []
+        cache = self.cache
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            need = self.waiting[0].prompt_tokens + len(self.waiting[0].tokens)
+            req = self.waiting[0]
+            matched, node = 0, None
+            if cache is not None and req.key is not None and req.prompt_tokens > 1:
+                matched, node = cache.match_prefix(req.key[:req.prompt_tokens - 1])
+                cache.lock(node)
+            need = req.prompt_tokens - matched + len(req.tokens)
+            free = self.max_total_tokens - self.reserved_tokens - self.cache_size()
+            if need > free and cache is not None:
+                free += cache.evict(need - free)
             # a request larger than the whole pool still runs alone rather than wait forever
-            if self.reserved_tokens + need > self.max_total_tokens and (self.running or admitted):
+            if need > free and (self.running or admitted):
+                if node is not None:
+                    cache.unlock(node)
                 break
+            req.cached_tokens, req.cache_node, req.reserve = matched, node, need
             self.reserved_tokens += need
+            self.prompt_tokens_admitted += req.prompt_tokens
+            self.cached_tokens_total += matched
             admitted.append(self.waiting.popleft())
         return admitted
 
@@ -529,7 +649,7 @@ class Engine:
             req.state = "finished"
             req.finished_at = now
             self.running.remove(req)
-            self.reserved_tokens -= req.prompt_tokens + total
+            self._release(req)
             self.completed_total += 1
             if self.on_finish is not None:
                 self.on_finish(req)

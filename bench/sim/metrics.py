@@ -52,6 +52,9 @@ class SimMetrics:
                                      registry=r)
         self.generation_tokens = Counter("sglang:generation_tokens_total",
                                          "Number of generation tokens processed.", ts, registry=r)
+        self.cached_tokens = Counter("sglang:cached_tokens_total",
+                                     "Number of cached prompt tokens by source (device/host/storage).",
+                                     t + ["cache_source"], registry=r)
         self.num_requests = Counter("sglang:num_requests_total", "Number of requests processed.", ts,
                                     registry=r)
         self.num_aborted = Counter("sglang:num_aborted_requests_total", "Number of requests aborted.", t,

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from router.curves import interpolate
+
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
 # SGLang silently caps an EAGLE server at 48 running requests unless --max-running-requests is set.
@@ -33,6 +35,9 @@ class Profile(BaseModel):
     # prefill added to the step that admits new requests: p0 + p1 * new prompt tokens (ms)
     prefill_base_ms: float = Field(default=0.0, ge=0)
     prefill_ms_per_token: float = Field(default=0.0, ge=0)
+    # attention's share of prefill, which grows with context: ms per million causal query-key pairs a prefill
+    # chunk computes (a chunk of t tokens after s earlier ones makes t*s + t(t+1)/2; docs/SIMULATOR.md)
+    prefill_attention_ms_per_mpair: float = Field(default=0.0, ge=0)
     # attention reads the KV cache: each step also costs this much per 1000 tokens held by the decoding batch
     kv_ms_per_ktoken: float = Field(default=0.0, ge=0)
     # prompt tokens prefilled per step at most (SGLang --chunked-prefill-size): a longer prompt takes several
@@ -92,8 +97,11 @@ class Profile(BaseModel):
             return a + b * n + q * n * n
         return a + b * cap + q * cap * cap + (b + 2 * q * cap) * (n - cap)
 
-    def prefill_ms(self, new_tokens: int) -> float:
-        return self.prefill_base_ms + self.prefill_ms_per_token * new_tokens if new_tokens else 0.0
+    def prefill_ms(self, new_tokens: int, attention_pairs: int = 0) -> float:
+        if not new_tokens:
+            return 0.0
+        return (self.prefill_base_ms + self.prefill_ms_per_token * new_tokens
+                + self.prefill_attention_ms_per_mpair * attention_pairs / 1e6)
 
 
 def tp4_estimate(tp8: Profile, name: str, description: str) -> Profile:
@@ -108,6 +116,7 @@ def tp4_estimate(tp8: Profile, name: str, description: str) -> Profile:
         "decode_a_ms": round(1.6 * tp8.decode_a_ms, 4), "decode_b_ms": round(2 * tp8.decode_b_ms, 5),
         "decode_q_ms": round(2 * tp8.decode_q_ms, 8), "kv_ms_per_ktoken": round(2 * tp8.kv_ms_per_ktoken, 6),
         "prefill_base_ms": 2 * tp8.prefill_base_ms, "prefill_ms_per_token": round(2 * tp8.prefill_ms_per_token, 6),
+        "prefill_attention_ms_per_mpair": round(2 * tp8.prefill_attention_ms_per_mpair, 6),
         "max_total_num_tokens": int(0.4 * tp8.max_total_num_tokens),
         "max_running_requests": tp8.max_running_requests if tp8.speculative else tp8.max_running_requests // 2,
         "fitted_from": f"derived from {tp8.name}",
@@ -116,11 +125,7 @@ def tp4_estimate(tp8: Profile, name: str, description: str) -> Profile:
 
 def _interpolate(points: list[tuple[int, float]], n: float) -> float:
     """Piecewise-linear through the points; the end segments carry on straight outside them."""
-    i = 1
-    while i < len(points) - 1 and n > points[i][0]:
-        i += 1
-    (n1, y1), (n2, y2) = points[i - 1], points[i]
-    return max(y1 + (y2 - y1) * (n - n1) / (n2 - n1), 0.01)
+    return max(interpolate(points, n, extend=True), 0.01)
 
 
 def builtin_names() -> list[str]:

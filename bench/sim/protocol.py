@@ -97,10 +97,16 @@ def streaming_error(message: str, err_type: str, code: int) -> str:
     return json.dumps({"error": err})
 
 
-def usage(prompt: int, completion: int) -> dict:
+def _details(cached: int | None) -> dict | None:
+    # UsageProcessor: PromptTokensDetails(cached_tokens=...) only with --enable-cache-report (else None)
+    return None if cached is None else {"cached_tokens": cached}
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """`cached`: the request's cached prompt tokens when the server runs with --enable-cache-report, else None."""
     return {
         "prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-        "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None,
+        "prompt_tokens_details": _details(cached), "reasoning_tokens": 0, "completion_tokens_details": None,
     }
 
 
@@ -138,19 +144,20 @@ class ContentChunks:
         return self._pre + encode_basestring(text).encode() + self._post
 
 
-def chat_usage_chunk(rid: str, created: int, model: str, prompt: int, completion: int) -> bytes:
+def chat_usage_chunk(rid: str, created: int, model: str, prompt: int, completion: int,
+                     cached: int | None = None) -> bytes:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [], "usage": usage(prompt, completion)}
+             "choices": [], "usage": usage(prompt, completion, cached)}
     return f"data: {dumps(chunk)}\n\n".encode()
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str,
-                  matched_stop: int | str | None, prompt: int, completion: int) -> str:
+                  matched_stop: int | str | None, prompt: int, completion: int, cached: int | None = None) -> str:
     return dumps({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "reasoning_content": None},
                      "logprobs": None, "finish_reason": finish_reason, "matched_stop": matched_stop}],
-        "usage": usage(prompt, completion), "metadata": {"weight_version": "default"},
+        "usage": usage(prompt, completion, cached), "metadata": {"weight_version": "default"},
     })
 
 
@@ -166,22 +173,26 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
     return f"data: {dumps(chunk)}\n\n".encode()
 
 
-def completion_usage_chunk(rid: str, created: int, model: str, prompt: int, completion: int) -> bytes:
+def completion_usage_chunk(rid: str, created: int, model: str, prompt: int, completion: int,
+                           cached: int | None = None) -> bytes:
     # SGLang dumps this one with exclude_none=True
-    u = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-         "reasoning_tokens": 0}
+    u = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+    if cached is not None:
+        u["prompt_tokens_details"] = _details(cached)
+    u["reasoning_tokens"] = 0
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
              "usage": u}
     return f"data: {dumps(chunk)}\n\n".encode()
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str,
-                        matched_stop: int | str | None, prompt: int, completion: int) -> str:
+                        matched_stop: int | str | None, prompt: int, completion: int,
+                        cached: int | None = None) -> str:
     return dumps({
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                      "matched_stop": matched_stop}],
-        "usage": usage(prompt, completion), "metadata": {"weight_version": "default"},
+        "usage": usage(prompt, completion, cached), "metadata": {"weight_version": "default"},
     })
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from bench.sim import protocol as P
-from bench.sim.engine import Engine, QueueFull, SimRequest, build_request, count_tokens
+from bench.sim.engine import Engine, QueueFull, SimRequest, build_request, chat_key, tokenize
 from bench.sim.faults import Faults
 from bench.sim.gpu import Gpu
 from bench.sim.metrics import SimMetrics
@@ -36,6 +36,8 @@ class SimConfig:
     startup_delay: float = 0.0  # wall seconds during which /health answers 503
     seed: int = 0
     faults: Faults = field(default_factory=Faults)
+    disable_radix_cache: bool = False  # SGLang --disable-radix-cache: no prefix cache, 0 cached tokens
+    enable_cache_report: bool = False  # SGLang --enable-cache-report: usage.prompt_tokens_details.cached_tokens
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -75,7 +77,7 @@ class SimServer:
         self.gpu = gpu
         self.engine = Engine(cfg.profile, speedup=cfg.speedup, max_running_requests=cfg.max_running_requests,
                              max_queued_requests=cfg.max_queued_requests, max_total_tokens=cfg.max_total_tokens,
-                             gpu=gpu)
+                             gpu=gpu, radix_cache=not cfg.disable_radix_cache)
         if gpu is not None:
             gpu.members.append(self)
         self.engine.on_finish = self._on_finish
@@ -233,13 +235,14 @@ class SimServer:
             return _error(str(exc), "BadRequest", 400)
         return body
 
-    def _prompt_tokens(self, body, chat: bool) -> int:
+    def _prompt_key(self, body, chat: bool) -> list:
+        """The prompt's tokens (what the prefix cache matches); their count is usage.prompt_tokens."""
         if chat:
             # a chat template adds a few tokens per message and for the assistant turn
-            return sum(count_tokens(m.text()) + 4 for m in body.messages) + 3
+            return chat_key([(m.role, m.text()) for m in body.messages])
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
-            return len(body.prompt)
-        return count_tokens(body.prompt_text())
+            return list(body.prompt)
+        return tokenize(body.prompt_text())
 
     async def _generate(self, request: web.Request, model: type, *, chat: bool) -> web.StreamResponse:
         body = await self._parse(request, model)
@@ -258,10 +261,11 @@ class SimServer:
         if not self._ready():
             await self._ready_event.wait()  # SGLang holds requests until the model has loaded
         prompt_text = body.prompt_text()
+        key = self._prompt_key(body, chat)
         req = build_request(
-            uuid.uuid4().hex, prompt_text, self._prompt_tokens(body, chat), profile=self.profile,
+            uuid.uuid4().hex, prompt_text, len(key), profile=self.profile,
             seed=self.cfg.seed if body.seed is None else body.seed, max_tokens=body.limit(),
-            stop=body.stop_list(), ignore_eos=body.ignore_eos, stream=body.stream,
+            stop=body.stop_list(), ignore_eos=body.ignore_eos, stream=body.stream, key=key,
         )
         try:
             self.engine.submit(req)
@@ -299,7 +303,7 @@ class SimServer:
             await self._park()
         build = P.chat_response if chat else P.completion_response
         text = build(req.rid, created, body.model, req.text, req.finish_reason, req.matched_stop,
-                     req.prompt_tokens, req.completion_tokens)
+                     req.prompt_tokens, req.completion_tokens, self._cached_report(req))
         return web.Response(text=text, content_type=JSON)
 
     async def _drop(self, request: web.Request) -> None:
@@ -368,11 +372,16 @@ class SimServer:
                 await flush()
         if include_usage:
             build = P.chat_usage_chunk if chat else P.completion_usage_chunk
-            await emit(build(req.rid, created, model, req.prompt_tokens, req.completion_tokens))
+            await emit(build(req.rid, created, model, req.prompt_tokens, req.completion_tokens,
+                             self._cached_report(req)))
         await emit(P.DONE)
         await flush()
         await resp.write_eof()
         return resp
+
+    def _cached_report(self, req: SimRequest) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens: only with --enable-cache-report, as in SGLang."""
+        return req.cached_tokens if self.cfg.enable_cache_report else None
 
     def _on_finish(self, req: SimRequest) -> None:
         m, k = self.metrics, self.cfg.speedup
@@ -380,6 +389,8 @@ class SimServer:
         labels = {**m.tok, "is_streaming": streaming}
         m.num_requests.labels(**labels).inc()
         m.prompt_tokens.labels(**labels).inc(req.prompt_tokens)
+        if req.cached_tokens > 0:  # the radix cache is the device tier: SGLang's cache_source="device"
+            m.cached_tokens.labels(**m.tok, cache_source="device").inc(req.cached_tokens)
         m.generation_tokens.labels(**labels).inc(req.generated)
         if req.state == "aborted":
             m.num_aborted.labels(**m.tok).inc()
@@ -451,6 +462,8 @@ class SimServer:
             "max_running_requests": self.cfg.max_running_requests,
             "max_queued_requests": self.cfg.max_queued_requests,
             "max_total_tokens": e.max_total_tokens, "enable_metrics": True, "random_seed": self.cfg.seed,
+            "disable_radix_cache": self.cfg.disable_radix_cache, "enable_cache_report": self.cfg.enable_cache_report,
+            "page_size": 1, "chunked_prefill_size": p.chunked_prefill_size,
             "speculative_algorithm": "EAGLE3" if p.speculative else None,
             "speculative_num_steps": p.speculative_num_steps if p.speculative else None,
             "speculative_eagle_topk": p.speculative_eagle_topk if p.speculative else None,
@@ -471,13 +484,17 @@ class SimServer:
         used = e.used_tokens()
         load = {
             "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": e.num_running,
-            "num_waiting_reqs": e.num_queued, "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in e.waiting),
+            "num_waiting_reqs": e.num_queued,
+            # SGLang estimates it from the recent (15 s) cache miss rate when the queue was not prefix-matched
+            "num_waiting_uncached_tokens": int(sum(r.prompt_tokens for r in e.waiting)
+                                               * (1.0 - e.recent_cache_hit_rate())),
             "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
             "num_prealloc_ready_tokens": 0, "max_total_num_tokens": e.max_total_tokens,
             "max_running_requests": self._max_running(), "token_usage": e.token_usage(),
-            "gen_throughput": e.gen_throughput(), "cache_hit_rate": 0.0,
+            "gen_throughput": e.gen_throughput(), "cache_hit_rate": round(e.last_cache_hit_rate, 4),
             "utilization": min(1.0, e.num_running / self._max_running()),
-            "total_prefill_uncached_tokens": 0, "total_prefill_busy_us": 0, "decode_moments": None,
+            "total_prefill_uncached_tokens": e.prefill_computed_total, "total_prefill_busy_us": 0,
+            "decode_moments": None,
         }
         everything = sections is None or "all" in sections
         if sections != {"core"}:
@@ -511,7 +528,7 @@ class SimServer:
         m.num_queue_reqs.labels(**s).set(e.num_queued)
         m.gen_throughput.labels(**s).set(e.gen_throughput())
         m.token_usage.labels(**s).set(e.token_usage())
-        m.cache_hit_rate.labels(**s).set(0.0)
+        m.cache_hit_rate.labels(**s).set(e.last_cache_hit_rate)
         m.utilization.labels(**s).set(min(1.0, e.num_running / self._max_running()))
         length = e.avg_accept_length() if p.speculative else 0.0
         m.spec_accept_length.labels(**s).set(length)
@@ -580,6 +597,7 @@ class SimServer:
 
     async def stats(self, request: web.Request) -> web.Response:
         e = self.engine
+        c = e.cache
         return web.json_response({
             "running": e.num_running, "queued": e.num_queued, "requests_total": e.requests_total,
             "completed_total": e.completed_total, "aborted_total": e.aborted_total,
@@ -592,4 +610,12 @@ class SimServer:
             "gpu_switches": self.gpu.switches if self.gpu is not None else 0,
             "drift": {"accept_length": e.drift_accept_length, "prompt_mix": e.drift_prompt_mix},
             "drift_changes": e.drift_changes,
+            # the prefix cache: prompt tokens of admitted requests, how many of them were cached, the tree
+            "prompt_tokens_total": e.prompt_tokens_admitted, "cached_tokens_total": e.cached_tokens_total,
+            "cache_hit_ratio": round(e.cached_tokens_total / e.prompt_tokens_admitted, 6)
+            if e.prompt_tokens_admitted else 0.0,
+            "radix_cache": None if c is None else {
+                "tokens": c.total_size, "evictable_tokens": c.evictable_size, "protected_tokens": c.protected_size,
+                "evicted_tokens_total": c.evicted_total},
+            "reserved_tokens": e.reserved_tokens,
         })

@@ -1,0 +1,636 @@
+"""`python -m bench replay`: a request trace (Mooncake JSONL) or a synthetic multi-turn workload, open loop at
+its own arrival times, against OpenAI-compatible URLs; bench_serving's figures plus prefix-cache hit ratio,
+goodput and the share each router pool served."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import functools
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import figures
+from bench.load import BenchInputError, LevelRun, RequestRecord, _session, check_reachable, stream_one
+
+BLOCK_TOKENS = 512  # Mooncake's hash_ids name blocks of 512 prompt tokens
+# plain English words (no code markers: the simulator would take a prompt with code words as a coding prompt)
+VOCAB = (
+    "able above across after again against air almost along also always among animal answer around ask away "
+    "back ball bank base bear beat beauty become bed before began begin behind believe below best better "
+    "between big bird black blue boat body book both bottom box boy bring brother brown build busy call came "
+    "care carry case cat cause center certain chair chance change child choose church circle city clean clear "
+    "close cloud coast cold color come common cook corn corner cost country course cover cross crowd cry dark "
+    "day deal dear deep desert dinner dog door down draw dream dress drink drive dry during early earth east "
+    "easy eat edge egg end enjoy enough even evening ever every eye face fact fair fall family farm fast father "
+    "field fill final find fine fire first fish five floor flower fly follow food foot forest form four free "
+    "fresh friend front fruit full game garden gave girl give glad glass gold gone good grass gray great green "
+    "ground group grow guess hair half hand happy hard hat head hear heart heat heavy help here high hill hold "
+    "home hope horse hot hour house hundred hunt idea inside island just keep kind king know lake land large "
+    "last late laugh lead learn leave left letter light like line lion listen little live long look lost loud "
+    "love low made main make many map mark market matter meet middle might mile milk mind minute moon more "
+    "morning mother mountain move music name near need never new next night north note nothing notice number "
+    "ocean often old open other over own page paint pair paper park part party pass past pay people picture "
+    "place plain plan plant play point poor pretty pull push quick quiet rain reach read ready real red rest "
+    "rich ride right ring river road rock roof room rose round row run safe sail salt same sand save say school "
+    "sea season seat second see seed sell send serve seven shade shape share sheep shine ship shore short show "
+    "side sign silver simple sing sister sit six sky sleep slow small smile snow soft soil song soon sound south "
+    "space speak spring square stand star start station stay step stone stop store storm story street strong "
+    "summer sun sure sweet swim table tail talk tall teach team tell ten test thank thick thin think third "
+    "three through throw tie tiny together told took top touch town track trade train travel tree trip true "
+    "try turn twenty two under until upon valley very village visit voice wait walk wall want warm wash watch "
+    "water wave way wear weather week welcome well west wheel white whole wide wild wind window winter wish "
+    "woman wonder wood word work world write yard year yellow young"
+).split()
+STORY_SUFFIX = "Tell me a story based on this context."  # bench_serving's mooncake prompt ends with this
+
+
+class ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    # TODO(i27): shared helper (bench/sweep.py's parser): every bad flag is one line and exit 2
+    def error(self, message: str):  # type: ignore[override]
+        raise ArgError(message)
+
+
+# ---- the workload ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One line of a Mooncake trace."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    line: int
+
+
+def _field(obj: dict, name: str, where: str, *, minimum: int, integer: bool = True) -> float:
+    if name not in obj:
+        raise BenchInputError(f"{where}: missing field '{name}'")
+    v = obj[name]
+    if isinstance(v, bool) or not isinstance(v, int if integer else int | float) or (
+            isinstance(v, float) and not math.isfinite(v)):
+        raise BenchInputError(f"{where}: '{name}' must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if v < minimum:
+        raise BenchInputError(f"{where}: '{name}' must be >= {minimum}, got {v!r}")
+    return v
+
+
+def parse_trace(text: str, name: str) -> list[TraceRequest]:
+    """Mooncake JSONL: {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [int, ...]}."""
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchInputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise BenchInputError(f"{where}: expected a JSON object with timestamp, input_length, "
+                                  "output_length, hash_ids")
+        ts = _field(obj, "timestamp", where, minimum=0, integer=False)
+        n_in = _field(obj, "input_length", where, minimum=1)
+        n_out = _field(obj, "output_length", where, minimum=0)
+        ids = obj.get("hash_ids")
+        if "hash_ids" not in obj:
+            raise BenchInputError(f"{where}: missing field 'hash_ids'")
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+            raise BenchInputError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
+        if not (len(ids) - 1) * BLOCK_TOKENS < n_in <= len(ids) * BLOCK_TOKENS:
+            raise BenchInputError(f"{where}: {len(ids)} hash_ids of {BLOCK_TOKENS} tokens cannot hold "
+                                  f"input_length {n_in}")
+        out.append(TraceRequest(float(ts), int(n_in), int(n_out), tuple(ids), lineno))
+    if not out:
+        raise BenchInputError(f"{name}: no requests found")
+    out.sort(key=lambda r: r.timestamp_ms)  # bench_serving sorts by timestamp too
+    return out
+
+
+def load_trace(path: Path) -> list[TraceRequest]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BenchInputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchInputError(f"{path}: cannot read ({exc})") from None
+    return parse_trace(text, str(path))
+
+
+@functools.lru_cache(maxsize=8192)
+def words(seed: str, n: int) -> tuple[str, ...]:
+    """n deterministic words for `seed`; a longer run for the same seed starts with the shorter one."""
+    return tuple(random.Random(seed).choices(VOCAB, k=n))
+
+
+def block_words(hash_id: int, n: int) -> tuple[str, ...]:
+    """The text of one hash block: its id, then words drawn from the id (equal ids, equal text, equal tokens)."""
+    return (str(hash_id),) + words(f"block {hash_id}", n - 1) if n > 0 else ()
+
+
+def trace_content(req: TraceRequest, token_scale: float) -> str:
+    """The prompt of one trace line: its blocks' text, input_length tokens in all (in the simulator's tokenizer:
+    one word is one token), both scaled by `token_scale`."""
+    block = max(1, round(BLOCK_TOKENS * token_scale))
+    total = max(1, round(req.input_length * token_scale))
+    k = min(len(req.hash_ids), -(-total // block))
+    parts = [" ".join(block_words(h, block)) for h in req.hash_ids[:k - 1]]
+    parts.append(" ".join(block_words(req.hash_ids[k - 1], total - block * (k - 1))))
+    return " ".join(parts)
+
+
+@dataclass
+class Session:
+    """One arrival: a trace line (its rounds sent at once, as bench_serving does) or a synthetic conversation
+    (each turn after the previous reply and a think time)."""
+
+    at: float  # seconds after the workload's start, in the target's (simulated) time, before slowdown
+    trace: TraceRequest | None = None
+    turns: int = 1
+    index: int = 0
+
+
+@dataclass
+class Workload:
+    kind: str  # "trace" | "synthetic"
+    sessions: list[Session]
+    description: str
+    token_scale: float = 1.0
+    num_rounds: int = 1
+    # synthetic: stated parameters
+    params: dict = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return sum(s.turns for s in self.sessions)
+
+    @property
+    def span_s(self) -> float:
+        return (self.sessions[-1].at - self.sessions[0].at) if self.sessions else 0.0
+
+
+def conversation(req: TraceRequest) -> int:
+    """Which conversation a line belongs to: its first block after the system prompt every line shares (block 0).
+    Lines of one conversation share that block, so keeping whole conversations keeps their prefix reuse."""
+    return req.hash_ids[1] if len(req.hash_ids) > 1 else req.hash_ids[0]
+
+
+def trace_workload(reqs: list[TraceRequest], path: str, *, limit: int | None, window: tuple[float, float | None],
+                   token_scale: float, num_rounds: int, sample: int = 1) -> Workload:
+    start, end = window
+    t0 = reqs[0].timestamp_ms
+    chosen = [r for r in reqs if (r.timestamp_ms - t0) / 1000.0 >= start
+              and (end is None or (r.timestamp_ms - t0) / 1000.0 < end)
+              and (sample == 1 or conversation(r) % sample == 0)]
+    if limit is not None:
+        chosen = chosen[:limit]
+    if not chosen:
+        raise BenchInputError(f"{path}: no request in the window {start:g}s..{'end' if end is None else f'{end:g}s'}")
+    first = chosen[0].timestamp_ms
+    sessions = [Session(at=(r.timestamp_ms - first) / 1000.0, trace=r, turns=num_rounds, index=i)
+                for i, r in enumerate(chosen)]
+    lines = f"lines {chosen[0].line}..{chosen[-1].line}"
+    kept = "" if sample == 1 else f", one conversation in {sample} (second block id % {sample} == 0)"
+    return Workload("trace", sessions, f"{path} ({len(chosen)} sessions, {lines}{kept})", token_scale, num_rounds)
+
+
+SYNTHETIC_DEFAULTS = {"sessions": 32, "turns": 4, "session_rate": 0.5, "system_prompt_tokens": 2000,
+                      "user_tokens": 200, "output_tokens": 200, "think_time_s": 5.0}
+
+
+def synthetic_workload(params: dict, seed: int, token_scale: float) -> Workload:
+    """Sessions arriving as a Poisson process; each shares one system prompt and grows turn by turn."""
+    rng = random.Random(seed)
+    at, sessions = 0.0, []
+    for i in range(params["sessions"]):
+        sessions.append(Session(at=at, turns=params["turns"], index=i))
+        at += rng.expovariate(params["session_rate"])
+    p = params
+    desc = (f"synthetic multi-turn: {p['sessions']} sessions at {p['session_rate']:g}/s (Poisson), {p['turns']} turns "
+            f"each, a shared {p['system_prompt_tokens']}-token system prompt, {p['user_tokens']} new user tokens and "
+            f"{p['output_tokens']} output tokens a turn, think time {p['think_time_s']:g}s (exponential mean)")
+    return Workload("synthetic", sessions, desc, token_scale, params=dict(params))
+
+
+# ---- running it -----------------------------------------------------------------------------------
+
+@dataclass
+class Sent:
+    """One request of a run and what it was."""
+
+    record: RequestRecord
+    session: int
+    turn: int
+
+
+def _body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> bytes:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return json.dumps(body).encode()
+
+
+class Progress:
+    """One self-rewriting stderr line on a terminal; a line per finished level otherwise."""
+
+    # TODO(i27): shared helper (bench/sweep.py's ProgressBar, reduced)
+    def __init__(self, label: str, expected: int, stream=None) -> None:
+        self.label, self.expected = label, expected
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.sent = self.done = 0
+        self._last = 0.0
+
+    def update(self) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.2 and self.done != self.expected:
+            return
+        self._last = now
+        self.stream.write(f"\r{self.label}: {self.sent}/{self.expected} sent, {self.done} done   ")
+        self.stream.flush()
+
+    def end(self, summary: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 100 + "\r")
+        self.stream.write(f"{self.label}: {summary}\n")
+        self.stream.flush()
+
+
+async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowdown: float, request_timeout: float,
+                    ignore_eos: bool, level_cap: float, progress: Progress | None = None) -> list[Sent]:
+    """Every session at its arrival time (workload time x slowdown / speedup on the wall clock)."""
+    sent: list[Sent] = []
+    p = wl.params
+    scale = wl.token_scale
+    url = url.rstrip("/")
+
+    async def one(session, messages: list[dict], max_tokens: int, s: int, turn: int,
+                  text: list[str] | None = None) -> RequestRecord:
+        if progress:
+            progress.sent += 1
+            progress.update()
+        rec = await stream_one(session, url, "/v1/chat/completions",
+                               _body(model, messages, max_tokens, ignore_eos), request_timeout, text=text)
+        sent.append(Sent(rec, s, turn))
+        if progress:
+            progress.done += 1
+            progress.update()
+        return rec
+
+    async def trace_session(http, sess: Session) -> None:
+        # bench_serving's mooncake rounds: "Round i: <blocks> Tell me a story...", each round's prompt carries the
+        # earlier rounds with a placeholder reply ("story" x output_length); all rounds go out at the arrival
+        req = sess.trace
+        base = f"{trace_content(req, scale)} {STORY_SUFFIX}"
+        out = max(1, round(req.output_length * scale))
+        history: list[dict] = []
+        jobs = []
+        for i in range(sess.turns):
+            history.append({"role": "user", "content": f"Round {i + 1}: {base}"})
+            jobs.append(one(http, list(history), out, sess.index, i))
+            history.append({"role": "assistant", "content": " ".join(["story"] * out)})
+        await asyncio.gather(*jobs)
+
+    async def synthetic_session(http, sess: Session, rng: random.Random) -> None:
+        system = " ".join(words("system prompt", max(1, round(p["system_prompt_tokens"] * scale))))
+        history = [{"role": "system", "content": system}]
+        out = max(1, round(p["output_tokens"] * scale))
+        for turn in range(sess.turns):
+            user = " ".join(words(f"session {sess.index} turn {turn}", max(1, round(p["user_tokens"] * scale))))
+            history.append({"role": "user", "content": user})
+            text: list[str] = []
+            rec = await one(http, list(history), out, sess.index, turn, text)
+            if not rec.ok:
+                return  # a conversation whose turn failed ends there (its later turns are never sent)
+            history.append({"role": "assistant", "content": "".join(text)})
+            if turn + 1 < sess.turns:
+                await asyncio.sleep(rng.expovariate(1.0 / p["think_time_s"]) / speedup if p["think_time_s"] else 0)
+
+    async def start_session(http, sess: Session, t0: float) -> None:
+        delay = t0 + (sess.at - wl.sessions[0].at) * slowdown / speedup - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sess.trace is not None:
+            await trace_session(http, sess)
+        else:
+            await synthetic_session(http, sess, random.Random(f"think {sess.index}"))
+
+    async with _session(0) as http:
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(start_session(http, s, t0)) for s in wl.sessions]
+        _, pending = await asyncio.wait(tasks, timeout=level_cap)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            now = time.perf_counter()
+            # what never came back counts as failed, never dropped
+            missing = wl.requests - len(sent)
+            sent.extend(Sent(RequestRecord(start=now, end=now, error=f"cancelled: level time limit {level_cap:g}s"),
+                             -1, -1) for _ in range(missing))
+    return sent
+
+
+# ---- figures --------------------------------------------------------------------------------------
+
+def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: float,
+                  slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+    records = [s.record for s in sent]
+    run = LevelRun(records=records, duration=(max(r.end for r in records) - min(r.start for r in records))
+                   if records else 0.0)
+    span = wl.span_s * slowdown
+    run.request_rate = (len(wl.sessions) - 1) / span if span > 0 else None  # offered sessions/s (target's time)
+    fig = figures.compute(run, speedup)
+    fig.pop("steady_output_throughput", None)
+    fig.pop("steady_window_s", None)
+    fig.pop("speculative_share", None)
+    ok = [r for r in records if r.ok]
+    k = float(speedup)
+    fig["slowdown"] = slowdown
+    fig["token_scale"] = wl.token_scale
+    fig["requests"] = wl.requests
+    fig["not_sent"] = max(0, wl.requests - len(records))
+    reported = [r for r in ok if r.cached_tokens is not None]
+    fig["cache_reported"] = len(reported)
+    fig["cached_tokens"] = sum(r.cached_tokens for r in reported) if reported else None
+    fig["cache_hit_ratio"] = (fig["cached_tokens"] / sum(r.prompt_tokens for r in reported)
+                              if reported and sum(r.prompt_tokens for r in reported) else None)
+    good = 0
+    for r in ok:
+        t = figures.tpot(r.latency, r.ttft, r.output_tokens)
+        if slo_ttft_ms is not None and r.ttft * k * 1000 > slo_ttft_ms:
+            continue
+        if slo_tpot_ms is not None and t is not None and t * k * 1000 > slo_tpot_ms:
+            continue
+        good += 1
+    fig["slo_ttft_ms"], fig["slo_tpot_ms"] = slo_ttft_ms, slo_tpot_ms
+    if slo_ttft_ms is None and slo_tpot_ms is None:
+        fig["good_requests"] = fig["request_goodput"] = None
+    else:
+        fig["good_requests"] = good
+        fig["request_goodput"] = good / fig["duration_s"] if fig["duration_s"] > 0 else 0.0
+    pools = Counter(r.pool for r in ok if r.pool)
+    fig["pool_share"] = {p: n / len(ok) for p, n in sorted(pools.items())} if pools else None
+    return fig
+
+
+def _f(v, digits=1, scale=1.0) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v * scale:,.{digits}f}"
+
+
+def scale_note(token_scale: float) -> str:
+    if token_scale == 1.0:
+        return "token scale 1 (the trace's own prompt and output lengths)"
+    return (f"TOKEN SCALE {token_scale:g}: every prompt, block and output is {token_scale:g}x the trace's length "
+            "(not the real traffic's size)")
+
+
+def render(results: dict[str, list[dict]], wl: Workload) -> str:
+    rows = [["target", "slowdown", "offered/s", "ok", "failed", "req/s", "out tok/s", "in tok/s", "cache hit",
+             "goodput/s", "pools"]]
+    lat = [["target", "slowdown"] + [f"{m} {s}" for m in ("TTFT", "TPOT", "ITL", "E2E")
+                                     for s in ("mean", "p50", "p90", "p99")]]
+    for name, figs in results.items():
+        for f in figs:
+            hit = "not reported" if f["cache_hit_ratio"] is None else f"{100 * f['cache_hit_ratio']:.1f}%"
+            pools = ("-" if not f["pool_share"] else
+                     " ".join(f"{p} {100 * s:.0f}%" for p, s in f["pool_share"].items()))
+            rows.append([name, f"{f['slowdown']:g}", _f(f["request_rate"], 2), str(f["completed"]),
+                         str(f["failed"] + f["not_sent"]), _f(f["request_throughput"], 2),
+                         _f(f["output_throughput"]), _f(f["total_input_tokens"] / f["duration_s"]
+                                                       if f["duration_s"] else None, 0),
+                         hit, _f(f["request_goodput"], 2), pools])
+            row = [name, f"{f['slowdown']:g}"]
+            for m in ("ttft", "tpot", "itl", "e2e_latency"):
+                for s in ("mean", "median", "p90", "p99"):
+                    row.append(_f(f[f"{s}_{m}_ms"], 0))
+            lat.append(row)
+    out = [f"replay: {wl.description}", scale_note(wl.token_scale),
+           "figures in the target's time (bench_serving's formulas); cache hit = usage cached_tokens / prompt_tokens",
+           ""]
+    out += figures.grid(rows) + ["", "latency (ms)"] + figures.grid(lat)
+    return "\n".join(out)
+
+
+CSV_EXTRA = ["slowdown", "token_scale", "requests", "not_sent", "cache_reported", "cached_tokens", "cache_hit_ratio",
+             "slo_ttft_ms", "slo_tpot_ms", "good_requests", "request_goodput", "pool_share"]
+
+
+def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
+    fields = ["target"] + [f for f in figures.CSV_FIELDS if f not in ("target", "gpus", "steady_output_throughput",
+                                                                      "steady_window_s")] + CSV_EXTRA
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for name, figs in results.items():
+            for f in figs:
+                row = {**f, "target": name}
+                if f.get("pool_share"):
+                    row["pool_share"] = " ".join(f"{p}:{s:.4f}" for p, s in f["pool_share"].items())
+                w.writerow(figures._clean(row))
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+def _positive(kind):
+    # TODO(i27): shared helper (bench/sweep.py's positive)
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return v
+    return conv
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return v
+
+
+def _levels(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return vals
+
+
+def _target(text: str) -> tuple[str, str]:
+    # TODO(i27): shared helper (bench/sweep.py's target)
+    name, sep, url = text.partition("=")
+    if not sep:
+        name, url = "target", text
+    if not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected [NAME=]http://HOST:PORT, got {text!r}")
+    url = url.rstrip("/")
+    return name, url[:-3] if url.endswith("/v1") else url
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m bench replay",
+                description="Replay a Mooncake trace (or a synthetic multi-turn workload) open loop against "
+                            "OpenAI-compatible targets (a router, SGLang, a simulator).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, help="Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
+    src.add_argument("--synthetic", action="store_true", help="no file: synthetic multi-turn sessions (below)")
+    p.add_argument("--target", type=_target, action="append", required=True,
+                   help="[NAME=]URL of an OpenAI-compatible server or router (repeatable)")
+    p.add_argument("--mooncake-slowdown-factor", type=_levels, default=[1.0], metavar="F[,F...]",
+                   help="stretch the arrival times by F (2 = half the rate); several = several load levels "
+                        "(bench_serving's flag)")
+    p.add_argument("--mooncake-num-rounds", type=_positive(int), default=1,
+                   help="rounds per trace session, sent together as bench_serving does (default 1)")
+    p.add_argument("--limit", type=_positive(int), help="replay only the first N sessions (after the window)")
+    p.add_argument("--window-start", type=_nonneg, default=0.0, help="trace seconds to skip (default 0)")
+    p.add_argument("--window-end", type=_positive(float), help="trace seconds to stop at (default: the end)")
+    p.add_argument("--sample-conversations", type=_positive(int), default=1, metavar="M",
+                   help="keep one conversation in M (lines whose second block id %% M == 0): 1/M of the rate with "
+                        "each kept conversation's prefix reuse intact (not a bench_serving flag)")
+    p.add_argument("--token-scale", type=_positive(float), default=1.0,
+                   help="shrink every prompt, block and output by this factor (small machines); every "
+                        "report says so")
+    p.add_argument("--slo-ttft", type=_positive(float), metavar="MS", help="goodput: TTFT at most MS")
+    p.add_argument("--slo-tpot", type=_positive(float), metavar="MS", help="goodput: TPOT at most MS")
+    p.add_argument("--model", default="default", help="value of the 'model' field sent")
+    p.add_argument("--speedup", type=_positive(float), default=1.0,
+                   help="the targets' clocks run K times faster (simulator --speedup): arrivals come K times "
+                        "faster and figures are reported in the target's time")
+    p.add_argument("--disable-ignore-eos", action="store_true",
+                   help="let the server stop at EOS (default: ignore_eos, so outputs are the trace's lengths)")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request timeout (s, wall)")
+    p.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("synthetic multi-turn workload (with --synthetic; defaults in brackets)")
+    d = SYNTHETIC_DEFAULTS
+    s.add_argument("--sessions", type=_positive(int), default=d["sessions"], help=f"conversations [{d['sessions']}]")
+    s.add_argument("--turns", type=_positive(int), default=d["turns"], help=f"turns per conversation [{d['turns']}]")
+    s.add_argument("--session-rate", type=_positive(float), default=d["session_rate"],
+                   help=f"new conversations per second, Poisson [{d['session_rate']:g}]")
+    s.add_argument("--system-prompt-tokens", type=_positive(int), default=d["system_prompt_tokens"],
+                   help=f"one system prompt all conversations share [{d['system_prompt_tokens']}]")
+    s.add_argument("--user-tokens", type=_positive(int), default=d["user_tokens"],
+                   help=f"new user tokens per turn [{d['user_tokens']}]")
+    s.add_argument("--output-tokens", type=_positive(int), default=d["output_tokens"],
+                   help=f"output tokens per turn [{d['output_tokens']}]")
+    s.add_argument("--think-time", dest="think_time_s", type=_nonneg, default=d["think_time_s"],
+                   help=f"mean seconds between a reply and the next turn, exponential [{d['think_time_s']:g}]")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
+    p.add_argument("--name", default="replay", help="file stem of the outputs (default replay)")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def workload_from_args(ns: argparse.Namespace) -> Workload:
+    if ns.synthetic:
+        params = {k: getattr(ns, k) for k in SYNTHETIC_DEFAULTS}
+        return synthetic_workload(params, ns.seed, ns.token_scale)
+    if ns.window_end is not None and ns.window_end <= ns.window_start:
+        raise BenchInputError(f"--window-end {ns.window_end:g} must be after --window-start {ns.window_start:g}")
+    reqs = load_trace(ns.trace)
+    return trace_workload(reqs, str(ns.trace), limit=ns.limit, window=(ns.window_start, ns.window_end),
+                          token_scale=ns.token_scale, num_rounds=ns.mooncake_num_rounds,
+                          sample=ns.sample_conversations)
+
+
+async def replay(ns: argparse.Namespace, wl: Workload) -> dict[str, list[dict]]:
+    for _, url in ns.target:
+        await check_reachable(url)
+    results: dict[str, list[dict]] = {name: [] for name, _ in ns.target}
+    levels = ns.mooncake_slowdown_factor
+    for slowdown in levels:
+        for name, url in ns.target:
+            think = wl.params.get("think_time_s", 0.0) * wl.params.get("turns", 1) * 3
+            cap = (wl.span_s * slowdown + think) / ns.speedup + ns.timeout + 60.0
+            bar = Progress(f"{name} slowdown {slowdown:g}", wl.requests)
+            sent = await run_level(url, wl, model=ns.model, speedup=ns.speedup, slowdown=slowdown,
+                                   request_timeout=ns.timeout, ignore_eos=not ns.disable_ignore_eos, level_cap=cap,
+                                   progress=bar)
+            fig = level_figures(sent, wl, speedup=ns.speedup, slowdown=slowdown, slo_ttft_ms=ns.slo_ttft,
+                                slo_tpot_ms=ns.slo_tpot)
+            results[name].append(fig)
+            hit = "not reported" if fig["cache_hit_ratio"] is None else f"{100 * fig['cache_hit_ratio']:.1f}%"
+            bar.end(f"{fig['output_throughput']:.1f} tok/s, TTFT p50 {fig['median_ttft_ms']:.0f} ms, cache hit "
+                    f"{hit}, {fig['completed']} ok, {fig['failed'] + fig['not_sent']} failed")
+    return results
+
+
+def _run(coro):
+    # TODO(i27): shared helper (bench/sweep.py's run_async)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+    except ArgError as exc:
+        print(f"bench replay: {exc}", file=sys.stderr)
+        return 2
+    names = [n for n, _ in ns.target]
+    if len(set(names)) != len(names):
+        print("bench replay: target names must be unique", file=sys.stderr)
+        return 2
+    try:
+        wl = workload_from_args(ns)
+        print(f"replay: {wl.description}; {wl.requests} requests; {scale_note(wl.token_scale)}", file=sys.stderr)
+        results = _run(replay(ns, wl))
+    except BenchInputError as exc:
+        print(f"bench replay: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench replay: interrupted", file=sys.stderr)
+        return 130
+    print(render(results, wl))
+    ns.out.mkdir(parents=True, exist_ok=True)
+    paths = [ns.out / f"{ns.name}.json", ns.out / f"{ns.name}.csv"]
+    config = {"workload": wl.kind, "description": wl.description, "trace": str(ns.trace) if ns.trace else None,
+              "targets": dict(ns.target), "mooncake_slowdown_factor": ns.mooncake_slowdown_factor,
+              "mooncake_num_rounds": ns.mooncake_num_rounds, "limit": ns.limit,
+              "sample_conversations": ns.sample_conversations,
+              "window": [ns.window_start, ns.window_end], "token_scale": ns.token_scale,
+              "token_scale_note": scale_note(ns.token_scale), "speedup": ns.speedup, "model": ns.model,
+              "ignore_eos": not ns.disable_ignore_eos, "slo_ttft_ms": ns.slo_ttft, "slo_tpot_ms": ns.slo_tpot,
+              "synthetic": wl.params or None, "requests": wl.requests}
+    figures.write_json(paths[0], {"config": config, "results": results})
+    write_csv(paths[1], results)
+    if not ns.no_plot and all(f["request_rate"] for figs in results.values() for f in figs):
+        try:
+            paths.append(figures.plot(ns.out / f"{ns.name}.png", results,
+                                      title=f"bench replay ({scale_note(ns.token_scale)})"))
+        except ModuleNotFoundError:
+            print("bench replay: no plot (matplotlib is not installed: pip install 'spec-router[bench]')",
+                  file=sys.stderr)
+    print("wrote " + ", ".join(str(x) for x in paths))
+    if all(f["completed"] == 0 for figs in results.values() for f in figs):
+        print("bench replay: no request succeeded; see the 'failed' column and errors in the JSON", file=sys.stderr)
+        return 1
+    return 0
