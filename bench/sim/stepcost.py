@@ -69,6 +69,9 @@ class ModelShape(BaseModel):
                                           "holds whole (SGLang replicates MLA's q/kv down projections)")
     # attention FLOPs per query token per cached token per layer (scores + values, all heads)
     attn_flops_per_ctx_token: float = Field(default=0.0, ge=0)
+    # the same in prefill, per causal query-key pair (MLA prefill runs un-absorbed: heads x 2 x (qk + v) dims);
+    # None: attn_flops_per_ctx_token
+    prefill_attn_flops_per_pair: float | None = Field(default=None, ge=0)
     moe_layers: int = Field(default=0, ge=0, description="layers with routed experts; the others have a dense MLP")
     dense_mlp_params: float = Field(default=0.0, ge=0, description="MLP parameters of one dense layer")
     dense_bytes_per_param: float = Field(default=BF16, gt=0)
@@ -349,8 +352,9 @@ def step_ms(shape: ModelShape, lay: Layout, cal: Calibration, spec: Speculative,
 
 
 def prefill_ms(shape: ModelShape, lay: Layout, cal: Calibration, spec: Speculative, tokens: int) -> float:
-    """A prompt's prefill: the target over its tokens (logits for the last), and the draft's extend with it."""
-    ms = forward(shape, lay, cal, tokens, ctx_tokens=tokens / 2, logits_tokens=1).ms
+    """A prompt's prefill without its attention core (prefill_attention_ms_per_mpair adds that by query-key
+    pairs): the target over its tokens (logits for the last), and the draft's extend with it."""
+    ms = forward(shape, lay, cal, tokens, logits_tokens=1).ms
     if spec.draft:
         ms += draft_forward(shape, lay, cal, tokens, 1).ms
     return ms
@@ -406,12 +410,21 @@ def derive_profile(box: Box, spec: Speculative, tp: int | None = None, *, prompt
         decode_a_ms=points[0][1], decode_b_ms=0.0, step_points_ms=points,
         prefill_base_ms=round(base, 4), prefill_ms_per_token=round(per_token, 6),
         kv_ms_per_ktoken=round(1000 * kv_ms_per_token(box.shape, lay, box.cal), 6),
+        prefill_attention_ms_per_mpair=round(prefill_attention_ms_per_mpair(box.shape, lay, box.cal), 6),
         max_running_requests=cap, accept_length_general=length, accept_length_coding=length,
         accept_length_spread=accept_length_spread if spec.speculative else 0.0,
         speculative_num_steps=max(spec.steps, 1), speculative_eagle_topk=spec.topk,
         speculative_num_draft_tokens=spec.draft_tokens, model_path=box.shape.model_path or box.shape.name,
         tp_size=lay.tp, context_len=box.shape.context_len, max_total_num_tokens=max_total_num_tokens,
         eos_token_id=box.shape.eos_token_id, fitted_from=f"stepcost:{box.name}")
+
+
+def prefill_attention_ms_per_mpair(shape: ModelShape, lay: Layout, cal: Calibration) -> float:
+    """A million causal query-key pairs of prefill attention in every layer, compute bound, on one GPU."""
+    per_pair = shape.attn_flops_per_ctx_token if shape.prefill_attn_flops_per_pair is None \
+        else shape.prefill_attn_flops_per_pair
+    flops = 1e6 * per_pair * shape.layers / lay.tp
+    return flops / (cal.dense_flops_efficiency * lay.gpu.bf16_tflops * 1e12) * 1000
 
 
 def memory_model(shape: ModelShape):
