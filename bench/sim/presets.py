@@ -109,7 +109,7 @@ GPUS = {"rtxpro6000": RTX_PRO_6000, "h200": H200}
 # bound is PCIe Gen5 x16, 64 GB/s per direction). NVLink (H200, NVSwitch): assumptions from published NCCL /
 # custom all-reduce figures: ~8 us for a small all-reduce at TP8 (5 us + 0.2 us per ring step), bus bandwidth
 # 360 GB/s (nccl-tests all_reduce busbw on 8-GPU Hopper boxes).
-PCIE_SEED = Interconnect(name="pcie", base_us=0.0, hop_us=1.499, bus_gbs=21.93,
+PCIE_SEED = Interconnect(name="pcie", base_us=0.0, hop_us=0.4257, bus_gbs=22.41,
                          source="fitted to the seed table (bench.sim.stepcost.fit_seed)")
 NVLINK = Interconnect(name="nvlink", base_us=5.0, hop_us=0.2, bus_gbs=360.0,
                       source="assumption: NCCL / custom all-reduce on 8x Hopper with NVSwitch")
@@ -119,8 +119,8 @@ LINKS = {"pcie": PCIE_SEED, "nvlink": NVLINK}
 # fractions of the datasheet bf16 rate: Kimi's routed experts (TP8 slice, bf16 grouped GEMM) at 1024 tokens,
 # 90.2 GFLOP in 2.170 ms = 4.2%; Llama-3.3-70B's dense layer (TP8 slice) at 1024 tokens, 0.3434 ms = 64%.
 # The rest is the seed box's fit (bench.sim.stepcost.fit_seed over both seed rows; docs/SIMULATOR.md).
-SEED_CAL = Calibration(fixed_ms=3.236, per_request_ms=0.3874, bw_efficiency=0.6578, flops_efficiency=0.042,
-                       dense_flops_efficiency=0.64, expert_reuse=0.5104)
+SEED_CAL = Calibration(fixed_ms=4.76, per_request_ms=0.4562, bw_efficiency=0.6392, flops_efficiency=0.042,
+                       dense_flops_efficiency=0.64, expert_reuse=0.4187)
 
 SEED_BOX_NAME = "kimi-k25-rtxpro6000-pcie"
 

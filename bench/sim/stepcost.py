@@ -543,6 +543,7 @@ def fit_seed(box: Box, rows: dict[str, list[tuple[int, float]]] | None = None, *
 
     if multistart:
         starts = [[math.log(c) for c in combo] for combo in itertools.product(*(START_GRID[k] for k in free))]
+        starts.append([math.log(max(_current(box, k), 1e-3)) for k in free])  # the box's own values too
         runs = [_nelder_mead(objective, v, [0.3] * len(free), iters=150) for v in starts]
         v = min(runs, key=objective)
     else:
@@ -594,3 +595,29 @@ def profile_by_name(name: str) -> Profile:
         return derive_profile(box, spec, tp, name=name)
     except (ShapeError, memory.MemoryFitError) as exc:
         raise ProfileError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.sim.stepcost`: the stored calibration's parameters and its table against both seed rows
+    (what docs/SIMULATOR.md shows); `--refit` fits again first (from the start grid and the stored values)."""
+    import sys
+
+    from bench.sim import presets
+
+    argv = sys.argv[1:] if argv is None else argv
+    box = presets.BOXES[presets.SEED_BOX_NAME]
+    if "--refit" in argv:
+        box = fit_seed(box)
+    print(f"calibration: {box.cal.model_dump()}")
+    print(f"link: hop_us={box.link.hop_us} bus_gbs={box.link.bus_gbs}")
+    errs = seed_errors(box)
+    print("concurrency  baseline measured  model  error   eagle3 measured  model  error")
+    for (c, v, p), (_, v2, p2) in zip(errs["baseline"], errs["eagle3"], strict=True):
+        print(f"{c:>11}  {v:>17.1f}  {p:>5.1f}  {100 * (p / v - 1):+5.1f}%  {v2:>15.1f}  {p2:>5.1f}  "
+              f"{100 * (p2 / v2 - 1):+5.1f}%")
+    print(f"worst: {100 * worst_error(errs):.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
