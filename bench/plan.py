@@ -2,14 +2,17 @@
 load, and what single-stream speedup the speculative server would need for the router's deployments to win."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench import calibration, equal, figures
-from bench.cli import ArgError, parser
+from bench import calibration, equal, figures, planmodel
+from bench.cli import ArgError, int_list, parser, positive
 from bench.load import BenchInputError
+from bench.sim import memory, presets, stepcost
+from bench.sim.stepcost import ShapeError
 
 SINGLE = ("all-baseline", "all-speculative")
 
@@ -41,6 +44,7 @@ class Plan:
     needed: dict[str, dict[int, float | None]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
     today: dict[str, float] = field(default_factory=dict)
+    unfit: dict[str, str] = field(default_factory=dict)  # candidate -> why it does not fit (never recommended)
 
 
 def needed_scale(kind: str, spec: calibration.Curve, base: calibration.Curve, ref_tput: float, c: int) -> float | None:
@@ -68,8 +72,11 @@ def single_stream(spec: calibration.Curve, base: calibration.Curve) -> float:
     return spec.throughput(1) / b if b else float("inf")
 
 
-def make_plan(files: list[dict], against: str | None = None, noise: float = equal.NOISE) -> Plan:
-    """Raises BenchInputError (one line) when the files hold no usable reference or candidate."""
+def make_plan(files: list[dict], against: str | None = None, noise: float = equal.NOISE,
+              unfit: dict[str, str] | None = None) -> Plan:
+    """Raises BenchInputError (one line) when the files hold no usable reference or candidate. `unfit`: deployment
+    kinds ("split", "colocated") that do not fit the user's GPUs (bench.sim.memory), never recommended."""
+    unfit = unfit or {}
     refs: dict[str, tuple[list[dict], int | None, dict]] = {}
     cands: list[Candidate] = []
     others: list[Candidate] = []  # the references themselves: deployments of the same GPUs too
@@ -118,11 +125,13 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
         theirs = {f["concurrency"]: f for f in cand.file_refs.get(against, ref_figs) if f.get("completed")}
         ratios[cand.name] = {c: figures.tput(mine[c]) / figures.tput(theirs[c])
                              for c in levels if c in mine and c in theirs and figures.tput(theirs[c])}
-        wins[cand.name] = [c for c, r in ratios[cand.name].items() if r >= 1 + noise]
+        wins[cand.name] = [] if cand.kind in unfit else [c for c, r in ratios[cand.name].items() if r >= 1 + noise]
+    usable = {c.name for c in cands if c.kind not in unfit}
     for c in levels:
-        top = max(((r[c], n) for n, r in ratios.items() if c in r), default=None)
+        top = max(((r[c], n) for n, r in ratios.items() if c in r and n in usable), default=None)
         best_at[c] = top[1] if top and top[0] >= 1 + noise else against
     plan = Plan(against, ref_gpus, levels, cands, ratios, wins, best_at)
+    plan.unfit = {c.name: unfit[c.kind] for c in cands if c.kind in unfit}
     for cand in cands:
         if cand.spec is None or cand.base is None or cand.pair in plan.needed:
             continue
@@ -172,6 +181,9 @@ def render(plan: Plan) -> str:
         rows.append([str(lv)] + [f"{plan.ratios[c.name][lv]:.2f}x" if lv in plan.ratios[c.name] else "-"
                                  for c in plan.candidates] + [plan.best[lv]])
     lines += figures.grid(rows)
+    if plan.unfit:
+        lines.append("NOT RECOMMENDED, does not fit your GPUs: " + "; ".join(
+            f"{n} ({why})" for n, why in plan.unfit.items()))
     unequal = [c for c in plan.candidates if c.gpus != plan.reference_gpus]
     if unequal:
         lines.append("UNEQUAL HARDWARE: " + ", ".join(f"{c.name} uses {equal.gpus_label(c.gpus)}" for c in unequal)
@@ -208,28 +220,149 @@ def plan_json(plan: Plan) -> dict:
 
 def main(argv: list[str]) -> int:
     p = parser("plan",
-               "Read compare (or demo) JSON files with references and say which deployment of the same GPUs "
-               "wins at which load, and what the speculative server would need to change that.")
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="compare or demo JSON outputs")
+               "Say which deployment of the same GPUs to run at which load: from compare (or demo) JSON files with "
+               "references, and/or before anything is measured from a preset, a model shape file or memory flags "
+               "(memory fit of every deployment, the step-cost model's best speculative setting per load, the "
+               "TP4 split's break-even).")
+    p.add_argument("files", nargs="*", type=Path, metavar="FILE.json", help="compare or demo JSON outputs")
     p.add_argument("--against", default=None, metavar="NAME",
                    help="the reference to beat (default: the first non-speculative profile reference)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the plan as JSON")
+    advise_args(p)
     try:
         ns = p.parse_args(argv)
+        inputs = advise_inputs(ns)
+        if not ns.files and inputs is None:
+            raise ArgError("give compare/demo JSON files, or --preset, --shape or the memory flags (--gpus "
+                           "--gpu-memory-gb --model-weights-gb --kv-bytes-per-token) to plan before measuring")
         files = []
         for f in ns.files:
             try:
                 files.append(json.loads(f.read_text(encoding="utf-8")))
             except (OSError, ValueError) as exc:
                 raise ArgError(f"cannot read {f}: {type(exc).__name__} {exc}") from None
-        plan = make_plan(files, ns.against)
-    except (ArgError, BenchInputError) as exc:
+        advice = planmodel.advise(inputs) if inputs is not None else None
+        plan = None
+        if files:
+            unfit = {} if advice is None else {
+                kind: advice.fits[name].reason for kind, name in (("split", memory.SPLIT),
+                                                                  ("colocated", memory.COLOCATED))
+                if not advice.fits[name].fits}
+            plan = make_plan(files, ns.against, unfit=unfit)
+    except (ArgError, BenchInputError, ShapeError, memory.MemoryFitError) as exc:
         print(f"bench plan: {exc}", file=sys.stderr)
         return 2
     except (KeyError, TypeError, AttributeError) as exc:
         print(f"bench plan: not a compare/demo JSON: {type(exc).__name__} {exc}", file=sys.stderr)
         return 2
-    print(render(plan))
+    parts = []
+    if advice is not None:
+        parts.append(planmodel.render(advice))
+    if plan is not None:
+        parts.append(("measured (compare/demo JSON):\n" if advice is not None else "") + render(plan))
+    print("\n\n".join(parts))
     if ns.json is not None:
-        figures.write_json(ns.json, plan_json(plan))
+        out = plan_json(plan) if plan is not None else {}
+        if advice is not None:
+            out = {**out, "model": planmodel.advice_json(advice)} if plan is not None else planmodel.advice_json(advice)
+        figures.write_json(ns.json, out)
     return 0
+
+
+def advise_args(p) -> None:
+    g = p.add_argument_group("before anything is measured (sizes in GiB, 2^30 bytes: nvidia-smi's MiB / 1024)")
+    g.add_argument("--preset", metavar="NAME", help="a model on a box: " + ", ".join(
+        sorted(presets.BOXES) + sorted(presets.ALIASES)) + " (seed = the seed's box, compose = Llama-3.3-70B on it)")
+    g.add_argument("--shape", type=Path, metavar="FILE", help="your model's shape (YAML/JSON, the fields of "
+                                                               "bench.sim.stepcost.ModelShape; docs/SIMULATOR.md)")
+    g.add_argument("--gpu", choices=sorted(presets.GPUS), help="the GPU of a --shape file (default rtxpro6000)")
+    g.add_argument("--gpus", type=positive(int), help="GPUs of the box (default: the preset's, 8)")
+    g.add_argument("--gpu-memory-gb", type=positive(float), help="memory of one GPU, GiB")
+    g.add_argument("--model-weights-gb", type=positive(float), help="the model's weights, all GPUs together, GiB")
+    g.add_argument("--draft-weights-gb", type=nonneg, help="the EAGLE-3 draft's weights, GiB (default 0)")
+    g.add_argument("--kv-bytes-per-token", type=positive(float),
+                   help="KV cache bytes of one token, all layers, unsharded (Llama-3.3-70B: 327680)")
+    g.add_argument("--kv-heads", type=positive(int), help="GQA KV heads (the cache splits over up to this many "
+                                                          "TP ranks); omitted: MLA, every rank holds the whole cache")
+    g.add_argument("--mem-fraction-static", type=positive(float),
+                   help="SGLang's --mem-fraction-static (default: SGLang 0.5.23's rule for each server's TP size)")
+    g.add_argument("--interconnect", choices=sorted(presets.LINKS), help="the TP all-reduce link (default: the "
+                                                                         "preset's; pcie for a --shape file)")
+    g.add_argument("--tp4-step-ratio", type=positive(float), metavar="X",
+                   help="a TP4 server's step over a TP8 server's, if you measured it (default: the model's)")
+    g.add_argument("--accept-length", type=positive(float), help="the seed tree's accept length (default 2.5, "
+                                                                  "measured)")
+    g.add_argument("--chain-alpha", type=positive(float), help="per-token acceptance of a topk-1 chain (default "
+                                                                "0.7, an assumption; plan also shows 0.55 and 0.8)")
+    g.add_argument("--levels", type=int_list, help="concurrency levels (default 1,2,5,10,30,70,100,250)")
+    g.add_argument("--max-tokens", type=positive(int), default=512, help="output tokens per request (default 512)")
+    g.add_argument("--prompt-tokens", type=positive(float), default=23.0, help="prompt tokens (default 23)")
+
+
+def nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
+MEMORY_FLAGS = ("gpus", "gpu_memory_gb", "model_weights_gb", "draft_weights_gb", "kv_bytes_per_token", "kv_heads",
+                "mem_fraction_static")
+
+
+def advise_inputs(ns) -> planmodel.Inputs | None:
+    """The planning inputs the flags describe; None when none of them is given."""
+    if ns.preset and ns.shape:
+        raise ArgError("--preset and --shape are alternatives: give one")
+    if ns.mem_fraction_static is not None and not 0 < ns.mem_fraction_static < 1:
+        raise ArgError("--mem-fraction-static must be between 0 and 1")
+    if ns.chain_alpha is not None and not 0 < ns.chain_alpha < 1:
+        raise ArgError("--chain-alpha must be between 0 and 1")
+    given = any(getattr(ns, k) is not None for k in MEMORY_FLAGS + ("interconnect", "tp4_step_ratio", "gpu"))
+    if not (ns.preset or ns.shape or given):
+        return None
+    box = None
+    if ns.preset:
+        box = presets.box(ns.preset)
+    elif ns.shape:
+        shape = stepcost.load_shape_file(ns.shape)
+        gpu = presets.GPUS[ns.gpu or "rtxpro6000"]
+        link = presets.LINKS[ns.interconnect or "pcie"]
+        box = stepcost.Box(name=f"{ns.shape.stem}-{ns.gpu or 'rtxpro6000'}-{link.name}", shape=shape, gpu=gpu,
+                           gpus=8, link=link, cal=presets.SEED_CAL, description=f"{shape.name} (shape file)")
+    if box is not None:
+        if ns.interconnect:
+            box = replace(box, link=presets.LINKS[ns.interconnect], name=f"{box.name}@{ns.interconnect}")
+        if ns.gpus:
+            box = replace(box, gpus=ns.gpus)
+        if ns.gpu_memory_gb:
+            box = replace(box, gpu=box.gpu.model_copy(update={"memory_gib": ns.gpu_memory_gb}))
+        model = stepcost.memory_model(box.shape)
+        gpus, mem = box.gpus, box.gpu.memory_gib
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("gpus", "gpu_memory_gb", "model_weights_gb",
+                                                         "kv_bytes_per_token") if getattr(ns, k) is None]
+        if missing:
+            raise ArgError(f"without --preset or --shape, plan needs {' '.join(missing)}")
+        model = memory.ModelMemory("your model", weights_gib=ns.model_weights_gb,
+                                   kv_bytes_per_token=ns.kv_bytes_per_token, layers=1, kv_heads=ns.kv_heads,
+                                   draft_weights_gib=0.0, draft_layers=0, mla=ns.kv_heads is None)
+        gpus, mem = ns.gpus, ns.gpu_memory_gb
+    update = {k: v for k, v in (("weights_gib", ns.model_weights_gb), ("draft_weights_gib", ns.draft_weights_gb),
+                                ("kv_bytes_per_token", ns.kv_bytes_per_token)) if v is not None}
+    if ns.kv_heads is not None:
+        update.update(kv_heads=ns.kv_heads, mla=False)
+    model = replace(model, **update)
+    hw = memory.Hardware(gpus, mem, ns.mem_fraction_static)
+    kw = {}
+    if ns.levels:
+        kw["levels"] = tuple(ns.levels)
+    if ns.accept_length is not None:
+        kw["tree_accept"] = ns.accept_length
+    if ns.chain_alpha is not None:
+        kw["alpha"] = ns.chain_alpha
+    return planmodel.Inputs(box=box, model=model, hw=hw, max_tokens=ns.max_tokens, prompt_tokens=ns.prompt_tokens,
+                            tp4_step_ratio=ns.tp4_step_ratio, **kw)

@@ -59,13 +59,13 @@ def test_toy_table(name, fits, tokens):
 
 def test_reasons_are_one_line_with_the_figures():
     fits = m.fit_all(TOY, BOX)
-    assert fits["split"].reason == ("the split does not fit: 408 GiB of weights on 4 x 100 GiB (102 GiB per GPU "
+    assert fits["split"].reason == ("the TP4+TP4 split does not fit: 408 GiB of weights on 4 x 100 GiB (102 GiB per GPU "
                                     "against 90.0 GiB static at mem_fraction_static 0.900)")
     assert fits["colocated"].reason.startswith("the co-located pair does not fit: two copies of the weights "
                                                "(816 GiB) on 8 x 100 GiB")
-    assert fits["tp-baseline"].reason == "tp-baseline fits: KV tokens per server (max_total_num_tokens) baseline 41k"
+    assert fits["tp-baseline"].reason == "TP8 baseline fits: KV tokens per server (max_total_num_tokens) baseline 41k"
     line = m.summary_line(fits)
-    assert line.startswith("memory: the split does not fit") and "co-located pair does not fit" in line
+    assert line.startswith("memory: the TP4+TP4 split does not fit") and "co-located pair does not fit" in line
     assert "\n" not in line
 
 
@@ -100,8 +100,8 @@ def test_seed_box_split_and_pair_do_not_fit_kimi():
     fits = m.fit_all(m.KIMI_K25, m.SEED_BOX)
     assert not fits["split"].fits and not fits["colocated"].fits
     assert fits["tp-baseline"].fits and fits["tp-eagle3"].fits
-    # 0.833 x 95.59 GiB - 554/8 GiB = 10.38 GiB per GPU for KV, at 70272 bytes per token
-    want = int((0.833 * m.RTX_PRO_6000_GIB - 554.0 / 8) * (1 << 30) // 70272)
+    # 0.833 x 95.59 GiB - ((554.1 - 2.03)/8 + 2.03) GiB = 8.59 GiB per GPU for KV, at 70272 bytes per token
+    want = int((0.833 * m.RTX_PRO_6000_GIB - ((554.1 - 2.03) / 8 + 2.03)) * (1 << 30) // 70272)
     assert fits["tp-baseline"].servers[0].max_total_num_tokens == want
 
 
@@ -126,3 +126,10 @@ def test_bad_inputs(kwargs, msg):
 def test_odd_gpu_count_cannot_split():
     f = m.fit_deployment("split", TOY, m.Hardware(gpus=3, gpu_memory_gib=500.0, mem_fraction_static=0.9))
     assert not f.fits and "even number" in f.reason
+
+
+def test_replicated_weights_count_whole_on_every_rank():
+    mod = m.ModelMemory("r", weights_gib=80.0, kv_bytes_per_token=1 << 20, layers=64, mla=True, replicated_gib=8.0)
+    assert mod.weights_per_gpu_gib(8, draft=False) == pytest.approx(72 / 8 + 8)
+    f = m.fit_deployment("tp-baseline", mod, BOX)
+    assert f.servers[0].max_total_num_tokens == int((90 - 17) * 1024)

@@ -88,6 +88,11 @@ class ModelMemory:
     draft_weights_gib: float = 0.0  # the EAGLE-3 draft (0: no draft known; speculative deployments use 0)
     draft_layers: int = 1
     mla: bool = False
+    replicated_gib: float = 0.0  # part of weights_gib every TP rank holds whole (MLA down projections, gates)
+
+    def weights_per_gpu_gib(self, tp: int, draft: bool) -> float:
+        whole = self.weights_gib + (self.draft_weights_gib if draft else 0.0)
+        return (whole - self.replicated_gib) / tp + self.replicated_gib
 
     def kv_cell_bytes(self, tp: int, draft: bool) -> float:
         """KV bytes one token takes on ONE GPU of a TP group (with the draft's layers for an EAGLE server)."""
@@ -146,7 +151,7 @@ class Hardware:
 
 def _server(model: ModelMemory, hw: Hardware, role: str, tp: int, static_gib: float) -> ServerFit:
     draft = role != "baseline"
-    weights = (model.weights_gib + (model.draft_weights_gib if draft else 0.0)) / tp
+    weights = model.weights_per_gpu_gib(tp, draft)
     cell = model.kv_cell_bytes(tp, draft)
     rest = (static_gib - weights) * GIB
     tokens = int(rest // cell) if rest > 0 and cell > 0 else 0
@@ -193,12 +198,19 @@ def fit_deployment(name: str, model: ModelMemory, hw: Hardware, kv_share: float 
     return DeploymentFit(name, n, servers, _reason(name, model, hw, servers, f))
 
 
+def label(name: str, gpus: int) -> str:
+    """How plan names a deployment of `gpus` GPUs in a sentence."""
+    return {TP_BASELINE: f"TP{gpus} baseline", TP_EAGLE3: f"TP{gpus} EAGLE-3",
+            TP_ADAPTIVE: f"TP{gpus} adaptive speculation", SPLIT: f"the TP{gpus // 2}+TP{gpus // 2} split",
+            COLOCATED: "the co-located pair"}[name]
+
+
 def _reason(name: str, model: ModelMemory, hw: Hardware, servers: tuple[ServerFit, ...], f: float) -> str:
     mem = _gib(hw.gpu_memory_gib)
     bad = [s for s in servers if not s.fits]
     if not bad:
         each = ", ".join(f"{s.role} {_tokens(s.max_total_num_tokens)}" for s in servers)
-        return f"{name} fits: KV tokens per server (max_total_num_tokens) {each}"
+        return f"{label(name, hw.gpus)} fits: KV tokens per server (max_total_num_tokens) {each}"
     s = bad[0]
     copies = 2 if name == COLOCATED else 1
     weights = (model.weights_gib + (model.draft_weights_gib if s.role != "baseline" else 0.0)) * copies
@@ -206,8 +218,7 @@ def _reason(name: str, model: ModelMemory, hw: Hardware, servers: tuple[ServerFi
         return (f"the co-located pair does not fit: two copies of the weights ({_gib(weights)} GiB) on "
                 f"{hw.gpus} x {mem} GiB ({_gib(s.weights_per_gpu_gib)} GiB per GPU per copy against "
                 f"{_gib(s.static_per_gpu_gib)} GiB each server may hold at mem_fraction_static {f:.3f})")
-    label = "the split" if name == SPLIT else name
-    return (f"{label} does not fit: {_gib(weights)} GiB of weights on {s.tp} x {mem} GiB "
+    return (f"{label(name, hw.gpus)} does not fit: {_gib(weights)} GiB of weights on {s.tp} x {mem} GiB "
             f"({_gib(s.weights_per_gpu_gib)} GiB per GPU against {_gib(s.static_per_gpu_gib)} GiB static at "
             f"mem_fraction_static {f:.3f})")
 
@@ -222,7 +233,8 @@ def summary_line(fits: dict[str, DeploymentFit]) -> str:
     bad = [f for f in fits.values() if not f.fits]
     if not bad:
         return "memory: every deployment fits; " + "; ".join(
-            f"{f.name} " + "/".join(_tokens(s.max_total_num_tokens) for s in f.servers) for f in fits.values()) \
+            f"{label(f.name, f.gpus)} " + "/".join(_tokens(s.max_total_num_tokens) for s in f.servers)
+            for f in fits.values()) \
             + " KV tokens per server"
     return "memory: " + "; ".join(f.reason for f in bad)
 
@@ -247,9 +259,11 @@ def gqa_kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) ->
 # Kimi K2.5 (moonshotai/Kimi-K2.5 config.json text_config): 61 layers, MLA kv_lora_rank 512 + rope 64.
 # SGLang's default --kv-cache-dtype auto keeps the model dtype, bf16 (2 bytes): 70,272 bytes per token;
 # --kv-cache-dtype fp8_e4m3 halves it. Weights: int4 routed experts (group 32, bf16 scales), bf16 rest,
-# 554 GiB computed from the config (bench.sim.stepcost); NVIDIA's NIM matrix lists 650 GB on disk.
-KIMI_K25 = ModelMemory("Kimi K2.5", weights_gib=554.0, kv_bytes_per_token=mla_kv_bytes(61, 512, 64, 2), layers=61,
-                       kv_heads=None, draft_weights_gib=2.2, draft_layers=1, mla=True)
+# 554.4 GiB (595 GB) computed from the config (bench.sim.presets); NVIDIA's NIM matrix lists 650 GB on disk.
+# Draft: an EAGLE-3 head of ~0.99B parameters, 1.84 GiB (bench.sim.presets, an assumed shape).
+# Every TP rank holds MLA's q/kv down projections (SGLang's ReplicatedLinear) and the routers whole: 2.03 GiB.
+KIMI_K25 = ModelMemory("Kimi K2.5", weights_gib=554.1, kv_bytes_per_token=mla_kv_bytes(61, 512, 64, 2), layers=61,
+                       kv_heads=None, draft_weights_gib=1.84, draft_layers=1, mla=True, replicated_gib=2.03)
 # Llama-3.3-70B-Instruct: 80 layers, 8 KV heads x 128, bf16: 327,680 bytes per token; 70.55B parameters bf16
 # = 131.4 GiB; its EAGLE-3 draft (one layer, 32k draft vocabulary) about 1.4B parameters = 2.6 GiB.
 LLAMA_70B = ModelMemory("Llama-3.3-70B", weights_gib=131.4, kv_bytes_per_token=gqa_kv_bytes(80, 8, 128, 2),

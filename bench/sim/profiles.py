@@ -154,8 +154,14 @@ def load_profile_file(path: str | Path) -> Profile:
 
 
 def load_profile(name: str) -> Profile:
-    """A built-in profile by name (see bench/sim/profiles/*.json)."""
+    """A built-in profile by name (see bench/sim/profiles/*.json), or one the step-cost model derives from a
+    preset, `PRESET.SETTING-tpN` (bench.sim.stepcost.profile_by_name)."""
     path = PROFILE_DIR / f"{name}.json"
     if not path.is_file():
-        raise ProfileError(f"unknown profile {name!r}; choose from {', '.join(builtin_names())}")
+        if "." in name and "/" not in name:
+            from bench.sim.stepcost import profile_by_name
+
+            return profile_by_name(name)
+        raise ProfileError(f"unknown profile {name!r}; choose from {', '.join(builtin_names())} "
+                           "or a derived PRESET.SETTING-tpN (docs/SIMULATOR.md)")
     return load_profile_file(path)

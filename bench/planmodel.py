@@ -1,0 +1,319 @@
+"""What to run before anything is measured: the memory fit of each deployment and, from the step-cost model,
+which speculative setting wins where, and the TP4 split's break-even (pure: inputs in, words and rows out)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from bench.sim import memory, stepcost
+from bench.sim.fit import kv_ms, predict
+from bench.sim.stepcost import Box, Speculative
+
+# SGLang's --speculative-adaptive default table (python/sglang/srt/speculative/adaptive_spec_params.py):
+# batch-size band -> the draft step counts it may choose (0: speculation off, the draft still extends).
+ADAPTIVE_TABLE = ((1, 7, (1, 3, 5, 7)), (8, 31, (0, 1, 3)), (32, 63, (0, 1)), (64, 10**9, (0,)))
+DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70, 100, 250)
+NOISE = 0.03  # a setting must beat the baseline by this much to be recommended (the bench's noise band)
+
+
+def adaptive_steps(batch: int) -> tuple[int, ...]:
+    for lo, hi, steps in ADAPTIVE_TABLE:
+        if lo <= batch <= hi:
+            return steps
+    return (0,)
+
+
+@dataclass
+class Inputs:
+    box: Box | None  # None: memory flags only (no step model)
+    model: memory.ModelMemory
+    hw: memory.Hardware
+    levels: tuple[int, ...] = DEFAULT_LEVELS
+    max_tokens: int = 512
+    prompt_tokens: float = 23.0
+    tree_accept: float = stepcost.SEED_TREE_ACCEPT
+    alpha: float = stepcost.CHAIN_ALPHA
+    alpha_range: tuple[float, float] = stepcost.CHAIN_ALPHA_RANGE
+    chains: tuple[int, ...] = (1, 2, 3, 4)
+    tp4_step_ratio: float | None = None  # measured by the user; None: the model's
+
+
+@dataclass
+class Advice:
+    inputs: Inputs
+    fits: dict[str, memory.DeploymentFit]
+    why: str = ""
+    tput: dict[str, dict[int, float]] = field(default_factory=dict)  # setting -> level -> tok/s (TP, all GPUs)
+    tpot: dict[str, dict[int, float]] = field(default_factory=dict)  # setting -> level -> ms per output token
+    adaptive_choice: dict[int, int] = field(default_factory=dict)  # level -> draft steps adaptive runs
+    best_tput: dict[int, str] = field(default_factory=dict)
+    best_latency: dict[int, str] = field(default_factory=dict)
+    alpha_sweep: dict[float, dict[int, str]] = field(default_factory=dict)  # chain alpha -> level -> winner
+    split: dict[int, float] = field(default_factory=dict)  # level -> split throughput (model's TP4 ratio)
+    colocated: dict[int, float] = field(default_factory=dict)
+    tp4_ratio: float | None = None
+    tp4_ratio_source: str = ""
+    breakeven: dict[int, float] = field(default_factory=dict)  # level -> the TP4/TP8 step ratio the split needs
+
+
+def _settings(inp: Inputs, alpha: float) -> dict[str, Speculative]:
+    out = {"baseline": stepcost.BASELINE, "tree": stepcost.tree(accept_length=inp.tree_accept)}
+    for k in inp.chains:
+        out[f"chain{k}"] = stepcost.chain(k, stepcost.chain_accept_length(k, alpha))
+    return out
+
+
+def _curve(box: Box, spec: Speculative, inp: Inputs, tp: int) -> tuple[dict[int, float], dict[int, float]]:
+    prof = stepcost.derive_profile(box, spec, tp, prompt_tokens=inp.prompt_tokens, max_total_num_tokens=1_000_000)
+    tput, tpot = {}, {}
+    length = prof.accept_length_general if prof.speculative else 1.0
+    for c in inp.levels:
+        tput[c] = predict(prof, c, inp.max_tokens, inp.prompt_tokens)
+        n = min(c, prof.max_running_requests)
+        tpot[c] = (prof.step_ms(n) + kv_ms(prof, n, inp.max_tokens, inp.prompt_tokens)) / length
+    return tput, tpot
+
+
+def _adaptive(box: Box, inp: Inputs, alpha: float, tp: int) -> tuple[dict[int, float], dict[int, float], dict]:
+    """SGLang's adaptive speculation on one server: at each level the best of the step counts its table allows
+    at that batch (an upper bound on what its controller picks); 0 steps still pays the draft's extend pass."""
+    curves = {}
+    for k in sorted({k for _, _, ks in ADAPTIVE_TABLE for k in ks}):
+        spec = (Speculative("adaptive-off", 0, 1, 1, 1.0, True) if k == 0
+                else stepcost.chain(k, stepcost.chain_accept_length(k, alpha)))
+        curves[k] = _curve(box, spec, inp, tp)
+    tput, tpot, choice = {}, {}, {}
+    for c in inp.levels:
+        k = max(adaptive_steps(min(c, stepcost.EAGLE_DEFAULT_MAX_RUNNING)), key=lambda k: curves[k][0][c])
+        tput[c], tpot[c], choice[c] = curves[k][0][c], curves[k][1][c], k
+    return tput, tpot, choice
+
+
+def _winners(tput: dict[str, dict[int, float]], levels, higher: bool = True) -> dict[int, str]:
+    out = {}
+    for c in levels:
+        base = tput["baseline"][c]
+        name = (max if higher else min)(tput, key=lambda n: tput[n][c])
+        good = tput[name][c] >= base * (1 + NOISE) if higher else tput[name][c] <= base * (1 - NOISE)
+        out[c] = name if good else "baseline"
+    return out
+
+
+def _why(box: Box, inp: Inputs) -> str:
+    sh, lay, cal = box.shape, box.layout(), box.cal
+    tree = stepcost.tree(accept_length=inp.tree_accept)
+    one = stepcost.step_ms(sh, lay, cal, stepcost.BASELINE, 1)
+    t_ms = stepcost.step_ms(sh, lay, cal, tree, 1)
+    if sh.moe_layers:
+        e, k = sh.routed_experts, sh.experts_per_token
+        wake = stepcost.distinct_experts
+        chain_tokens = 3
+        return (f"why: a {tree.draft_tokens}-token tree wakes ~{wake(tree.draft_tokens, e, k):.0f} of {e} experts "
+                f"per layer against {k} for a decode; a {chain_tokens}-token chain (2 steps) wakes "
+                f"~{wake(chain_tokens, e, k):.0f} (uniform routing; ~{wake(tree.draft_tokens, e, k, cal.expert_reuse):.0f}"
+                f" and ~{wake(chain_tokens, e, k, cal.expert_reuse):.0f} at the fitted reuse {cal.expert_reuse:.2f}), "
+                f"so at one request a tree step costs {t_ms:.1f} ms against {one:.1f} ms for a decode "
+                f"({t_ms / one:.1f}x) and must accept that many more tokens to pay")
+    gb = sh.weight_bytes() / 1e9
+    return (f"why: {sh.name} is dense: every step reads all {gb:.0f} GB of weights whatever its token count, so at "
+            f"one request verifying {tree.draft_tokens} tokens costs {t_ms:.1f} ms against {one:.1f} ms for a decode "
+            f"({t_ms / one:.1f}x; a mixture of experts pays for every extra expert its tokens wake); speculation pays "
+            f"until the batch's tokens make the GEMMs compute-bound")
+
+
+def advise(inp: Inputs) -> Advice:
+    fits = memory.fit_all(inp.model, inp.hw)
+    adv = Advice(inp, fits)
+    box = inp.box
+    if box is None:
+        return adv
+    tp = inp.hw.gpus
+    box = replace(box, gpus=tp)
+    if box.shape.draft is None:
+        adv.why = (f"why: {box.shape.name} has no draft head in this shape, so only the baseline is planned "
+                   f"(add a `draft:` entry to plan speculation)")
+        adv.tput["baseline"], adv.tpot["baseline"] = _curve(box, stepcost.BASELINE, inp, tp)
+        adv.best_tput = adv.best_latency = {c: "baseline" for c in inp.levels}
+        return adv
+    adv.why = _why(box, inp)
+    for name, spec in _settings(inp, inp.alpha).items():
+        adv.tput[name], adv.tpot[name] = _curve(box, spec, inp, tp)
+    adv.tput["adaptive"], adv.tpot["adaptive"], adv.adaptive_choice = _adaptive(box, inp, inp.alpha, tp)
+    adv.best_tput = _winners(adv.tput, inp.levels)
+    adv.best_latency = _winners(adv.tpot, inp.levels, higher=False)
+    lo, hi = inp.alpha_range
+    for a in (lo, inp.alpha, hi):
+        tput = {n: _curve(box, s, inp, tp)[0] for n, s in _settings(inp, a).items()}
+        tput["adaptive"] = _adaptive(box, inp, a, tp)[0]
+        adv.alpha_sweep[a] = _winners(tput, inp.levels)
+    _split(adv, box, inp)
+    if fits[memory.COLOCATED].fits:
+        # global routing on a co-located pair: one server serves everything (interleaving cost left out)
+        spec_name = max((n for n in adv.tput if n not in ("baseline", "adaptive")), key=lambda n: adv.tput[n][1])
+        adv.colocated = {c: max(adv.tput[spec_name][c], adv.tput["baseline"][c]) for c in inp.levels}
+    return adv
+
+
+def _split(adv: Advice, box: Box, inp: Inputs) -> None:
+    """The TP(n/2)+TP(n/2) split with a router placing requests as well as possible between its two servers.
+    Both halves' steps are the TP8 model's scaled by one ratio r (TP4 step / TP8 step): the model's, or the
+    user's measured --tp4-step-ratio. The break-even ratio at c is the split's throughput at r = 1 over TP8's."""
+    half = inp.hw.gpus // 2
+    if half < 1:
+        return
+    spec_name = max((n for n in adv.tput if n not in ("baseline", "adaptive")), key=lambda n: adv.tput[n][1])
+    spec = _settings(inp, inp.alpha)[spec_name]
+    levels = inp.levels
+    full_levels = sorted(set(range(1, max(levels) + 1)))
+    sub = replace(inp, levels=tuple(full_levels))
+    s8, _ = _curve(box, spec, sub, inp.hw.gpus)
+    b8, _ = _curve(box, stepcost.BASELINE, sub, inp.hw.gpus)
+    if inp.tp4_step_ratio is not None:
+        r, src = inp.tp4_step_ratio, "--tp4-step-ratio"
+    else:
+        lay4, lay8 = box.layout(half), box.layout()
+        rs = [stepcost.step_ms(box.shape, lay4, box.cal, stepcost.BASELINE, n)
+              / stepcost.step_ms(box.shape, lay8, box.cal, stepcost.BASELINE, n) for n in (1, 10, 64)]
+        r, src = sum(rs) / len(rs), f"the step-cost model over {box.link.name} (n = 1, 10, 64: " + \
+            ", ".join(f"{x:.2f}" for x in rs) + ")"
+    adv.tp4_ratio, adv.tp4_ratio_source = r, src
+
+    def split_at(c: int, ratio: float) -> float:
+        best = b8[c] / ratio
+        for k in range(1, c + 1):
+            best = max(best, (s8[k] + (b8[c - k] if c - k else 0.0)) / ratio)
+        return best
+
+    for c in levels:
+        adv.breakeven[c] = split_at(c, 1.0) / adv.tput["baseline"][c]
+        adv.split[c] = split_at(c, r)
+
+
+def _bands(best: dict[int, str]) -> str:
+    parts, run = [], []
+    for c, name in best.items():
+        if run and run[-1][1] != name:
+            parts.append(run)
+            run = []
+        run.append((c, name))
+    if run:
+        parts.append(run)
+    return "; ".join(f"c={r[0][0]}" + (f"-{r[-1][0]}" if len(r) > 1 else "") + f": {r[0][1]}" for r in parts)
+
+
+def render(adv: Advice) -> str:
+    inp, fits = adv.inputs, adv.fits
+    lines = [memory.summary_line(fits)]
+    if adv.why:
+        lines.append(adv.why)
+    g = inp.hw.gpus
+    lines.append("")
+    lines.append(f"memory fit on {g} x {inp.hw.gpu_memory_gib:.1f} GiB ({inp.model.name}, weights "
+                 f"{inp.model.weights_gib:.1f} GiB + draft {inp.model.draft_weights_gib:.2f} GiB, "
+                 f"KV {inp.model.kv_bytes_per_token:,.0f} bytes/token):")
+    for f in fits.values():
+        lines.append(f"  {'fits ' if f.fits else 'NO   '} {f.reason}")
+    if inp.box is None:
+        lines.append("")
+        lines.append("no step model without a preset or --shape: measure with `spec-bench sweep` and pass the "
+                     "compare/demo JSON, or add --preset/--shape to predict")
+        return "\n".join(lines)
+    tp_ok = fits[memory.TP_BASELINE].fits
+    spec_ok = fits[memory.TP_EAGLE3].fits
+    lines.append("")
+    box = inp.box
+    lines.append(f"predicted by the step-cost model ({box.name}: {box.shape.name} on {g}x {box.gpu.name}, "
+                 f"{box.link.name}; closed loop, {inp.max_tokens} output tokens, {inp.prompt_tokens:g}-token prompts; "
+                 f"tree accept length {inp.tree_accept:g} measured, chains at per-token acceptance {inp.alpha:g} "
+                 f"assumed; every setting on the same {g} GPUs, TP{g}):")
+    if not tp_ok:
+        lines.append(f"  TP{g} does not fit either: nothing to recommend on these GPUs")
+        return "\n".join(lines)
+    names = list(adv.tput)
+    rows = [["conc"] + [f"{n} tok/s" for n in names] + ["most tok/s", "lowest ms/token"]]
+    for c in inp.levels:
+        cells = [str(c)] + [f"{adv.tput[n][c]:.0f}" for n in names]
+        cells += [_pick(adv.best_tput[c], spec_ok), _pick(adv.best_latency[c], spec_ok)]
+        rows.append(cells)
+    lines += _grid(rows)
+    if "adaptive" in adv.tput:
+        lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
+                     "(an upper bound on its controller): " +
+                     ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
+    lines.append("")
+    if spec_ok:
+        lines.append("RUN (throughput): " + _bands(adv.best_tput))
+        lines.append("RUN (latency, ms per output token of a running request): " + _bands(adv.best_latency))
+    else:
+        lines.append(f"RUN: TP{g} baseline at every load (no speculative server fits: "
+                     f"{fits[memory.TP_EAGLE3].reason})")
+    if not adv.alpha_sweep:
+        return "\n".join(lines)
+    lo, mid, hi = sorted(adv.alpha_sweep)
+    lines.append(f"chain acceptance is an assumption; the throughput verdict at per-token acceptance {lo:g} / "
+                 f"{mid:g} / {hi:g} (chain3 accepts {stepcost.chain_accept_length(3, lo):.2f} / "
+                 f"{stepcost.chain_accept_length(3, mid):.2f} / {stepcost.chain_accept_length(3, hi):.2f}):")
+    for a in (lo, mid, hi):
+        lines.append(f"  {a:g}: {_bands(adv.alpha_sweep[a])}")
+    lines.append("")
+    lines += _split_lines(adv)
+    return "\n".join(lines)
+
+
+def _pick(name: str, spec_ok: bool) -> str:
+    return name if spec_ok or name == "baseline" else "baseline"
+
+
+def _split_lines(adv: Advice) -> list[str]:
+    inp, fits = adv.inputs, adv.fits
+    g, half = inp.hw.gpus, inp.hw.gpus // 2
+    out = []
+    split_fit = fits[memory.SPLIT]
+    if not adv.breakeven:
+        return out
+    levels = list(adv.breakeven)
+    r = adv.tp4_ratio
+    won = [c for c in levels if adv.split[c] >= adv.tput["baseline"][c] * (1 + NOISE)]
+    tail = f"; measure one TP{half} server with `spec-bench sweep` to know"
+    moot = "" if split_fit.fits else f" (moot here: {split_fit.reason})"
+    if won and won == levels[len(levels) - len(won):] and len(won) < len(levels):
+        n = won[0]
+        head = (f"break-even: the split beats TP{g} baseline at c >= {n} if a TP{half} server's step is within "
+                f"{min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    elif won and won == levels[:len(won)]:
+        n = won[-1]
+        head = (f"break-even: the split beats TP{g} baseline at c <= {n} if a TP{half} server's step is within "
+                f"{min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    elif won:
+        head = (f"break-even: the split beats TP{g} baseline at c={','.join(map(str, won))} if a TP{half} "
+                f"server's step is within {min(adv.breakeven[c] for c in won):.2f}x of TP{g}")
+    else:
+        best = max(levels, key=adv.breakeven.__getitem__)
+        head = (f"break-even: the split beats TP{g} baseline nowhere at the predicted ratio; at c={best}, its best "
+                f"level, only if a TP{half} server's step is within {adv.breakeven[best]:.2f}x of TP{g}")
+    out.append(head + tail + moot)
+    out.append(f"  predicted TP{half} step / TP{g} step = {r:.2f}x ({adv.tp4_ratio_source}); the split "
+               f"(a router placing each request as well as possible between its two servers) needs: "
+               + ", ".join(f"c={c} {adv.breakeven[c]:.2f}x" for c in levels))
+    if adv.colocated:
+        ratio = [adv.colocated[c] / adv.tput["baseline"][c] for c in levels]
+        out.append(f"  co-located pair ({fits[memory.COLOCATED].reason.split(': ', 1)[-1]}), global routing: "
+                   f"{min(ratio):.2f}-{max(ratio):.2f}x of TP{g} baseline (interleaving cost left out)")
+    return out
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def advice_json(adv: Advice) -> dict:
+    return {"memory": {n: f.as_dict() for n, f in adv.fits.items()}, "why": adv.why,
+            "throughput": {n: {str(c): v for c, v in d.items()} for n, d in adv.tput.items()},
+            "ms_per_token": {n: {str(c): v for c, v in d.items()} for n, d in adv.tpot.items()},
+            "run_throughput": {str(c): n for c, n in adv.best_tput.items()},
+            "run_latency": {str(c): n for c, n in adv.best_latency.items()},
+            "adaptive_steps": {str(c): k for c, k in adv.adaptive_choice.items()},
+            "alpha_sweep": {str(a): {str(c): n for c, n in d.items()} for a, d in adv.alpha_sweep.items()},
+            "split_breakeven_ratio": {str(c): v for c, v in adv.breakeven.items()},
+            "split_throughput": {str(c): v for c, v in adv.split.items()}, "tp4_step_ratio": adv.tp4_ratio,
+            "colocated_throughput": {str(c): v for c, v in adv.colocated.items()}}
