@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -197,6 +198,7 @@ class Engine:
             raise ValueError("speedup must be > 0")
         self.p = physics
         self.speedup = speedup
+        self.seed = seed
         self.rng = random.Random(seed)
         self.table = physics.poisson_table()
         self.running: list[Req] = []
@@ -218,9 +220,13 @@ class Engine:
             except asyncio.CancelledError:
                 pass
 
-    def submit(self, r: Req) -> None:
+    def submit(self, r: Req, key: int | None = None) -> None:
+        """Queue a request. `key` (the body's checksum) seeds a per-request acceptance: the same request gets the
+        same draw whichever configuration sent it (common random numbers: two routers compared on the same
+        prompts differ by their routing, not by which requests drew a hard prompt). None: the engine's stream."""
         if self.p.speculative and self.p.accept_per == "request":
-            r.accept = self._draw_request()
+            rng = self.rng if key is None else random.Random(key * 1_000_003 + self.seed)
+            r.accept = self._draw_request(rng)
         self.waiting.append(r)
         self.wake.set()
 
@@ -231,14 +237,14 @@ class Engine:
         elif r in self.waiting:
             self.waiting.remove(r)
 
-    def _draw_request(self) -> float:
+    def _draw_request(self, rng: random.Random) -> float:
         p = self.p
         if p.accept_dist == "poisson":
-            return float(self._poisson())
-        return p.accept * (1.0 + p.accept_spread * (2.0 * self.rng.random() - 1.0))
+            return float(self._poisson(rng))
+        return p.accept * (1.0 + p.accept_spread * (2.0 * rng.random() - 1.0))
 
-    def _poisson(self) -> int:
-        u = self.rng.random()
+    def _poisson(self, rng: random.Random | None = None) -> int:
+        u = (rng or self.rng).random()
         for k, cum in enumerate(self.table):
             if u <= cum:
                 return k + 1
@@ -386,8 +392,9 @@ class FamilyServer:
         media = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
         if media != JSON:
             return _error("Unsupported Media Type: Only 'application/json' is allowed")
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return _error("JSON decode error")
         if not isinstance(body, dict):
@@ -405,7 +412,7 @@ class FamilyServer:
         model = str(body.get("model") or "default")
         stream = bool(body.get("stream"))
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.engine.submit(req)
+        self.engine.submit(req, zlib.crc32(raw))
         try:
             if not stream:
                 while not req.done:

@@ -113,8 +113,11 @@ class Judge:
                       for name, _ in singles}
             routed = [("round-robin", self.router(group, "round-robin", True, True))]
             routed += [(f"spillover@{t}", self.router(group, "spillover", True, True, t)) for t in ns.thresholds]
-            routed.append(("balanced", self.router(group, "balanced", True, True, None, [
-                "--speculative-curve", curves["all-speculative"], "--baseline-curve", curves["all-baseline"]])))
+            # balanced twice: the second router is the control, how far one routed configuration's figure moves
+            # between two runs of a level on this host (never a "best fixed").
+            for name in ("balanced", "balanced-again"):
+                routed.append((name, self.router(group, "balanced", True, True, None, [
+                    "--speculative-curve", curves["all-speculative"], "--baseline-curve", curves["all-baseline"]])))
             adaptive = self.adaptive(group)
             out["warmup"] = self.warm_up(adaptive)
             routed.append(("adaptive", adaptive))
@@ -146,7 +149,9 @@ class Judge:
             best = max(fixed, key=fixed.get)
             every = max([*fixed.values(), best_each[i]])
             ad = figures.tput(cfgs["adaptive"][i])
-            rows.append({"concurrency": c, "best_fixed": best, "best_fixed_tput": fixed[best], "adaptive": ad,
+            control = figures.tput(cfgs["balanced-again"][i]) / fixed["balanced"] if fixed["balanced"] else 0.0
+            rows.append({"concurrency": c, "best_fixed": best, "control": control, "best_fixed_tput": fixed[best],
+                         "adaptive": ad,
                          "ratio": ad / fixed[best] if fixed[best] else 0.0,
                          "ratio_vs_every_threshold": ad / every if every else 0.0,
                          "adaptive_share": cfgs["adaptive"][i]["speculative_share"],
@@ -220,9 +225,10 @@ def render(results: list[dict], cmd: str) -> str:
                 f" at start, {host['loadavg_at_end'][0]:.1f} at end, {host['wall_seconds']:.0f} s wall. Warm-up: "
                 + ", ".join(f"{r['warmup']['seconds']:g} s ({r['warmup']['requests']} requests)" for r in reps) + ".",
                 "",
-                "| concurrency | best fixed (per repeat) | adaptive / best fixed, repeats | min | speculative share: "
-                "adaptive / best | cold start: runs until within 5% (ratios per run), requests and seconds before |",
-                "|---|---|---|---|---|---|"]
+                "| concurrency | best fixed (per repeat) | adaptive / best fixed, repeats | min | control: balanced "
+                "again / balanced | speculative share: adaptive / best | cold start: runs until within 5% (ratios per "
+                "run), requests and seconds before |",
+                "|---|---|---|---|---|---|---|"]
         for i, c in enumerate(reps[0]["levels"]):
             rows = [r["rows"][i] for r in reps]
             colds = [r["cold"][i] for r in reps]
@@ -231,10 +237,12 @@ def render(results: list[dict], cmd: str) -> str:
             cold = "; ".join(
                 (f"{x['runs']} -> {x['requests_before']} req, {x['seconds_before']} s" if x["reached_at_run"] is not None
                  else f"{x['runs']} -> not within {len(x['runs'])} runs") for x in colds)
+            controls = " / ".join(f"{row['control']:.3f}" for row in rows)
             shares = ", ".join(f"{row['adaptive_share']:.0%}/{row['best_share']:.0%}" for row in rows)
             out.append(f"| {c} | {', '.join(row['best_fixed'] for row in rows)} | "
                        f"{' / '.join(f'{x:.3f}' for x in ratios)} | {'**' if mark < BAR else ''}{mark:.3f}"
-                       f"{'**' if mark < BAR else ''} | {shares} | {cold} |")
+                       f"{'**' if mark < BAR else ''} | {controls} | "
+                       f"{shares} | {cold} |")
         out.append("")
     return f"```\n{cmd}\n```\n\n" + "\n".join(out)
 
@@ -254,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--name", default="judge")
+    p.add_argument("--render", nargs="+", type=Path, metavar="JSON",
+                   help="print one markdown report of saved runs (their JSON files) and run nothing")
     try:
         ns = p.parse_args(argv)
         ns.levels = [int(x) for x in ns.levels.split(",")]
@@ -268,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.judge: --speedup > 0, --repeats/--rounds/--cold-runs >= 1, 0 <= --warmup-seconds <= 30, "
               "levels >= 1, thresholds >= 0", file=sys.stderr)
         return 2
+    if ns.render:
+        try:
+            docs = [json.loads(f.read_text(encoding="utf-8")) for f in ns.render]
+            print("\n".join(render(d["results"], d["command"]) for d in docs))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"bench.judge: cannot render: {exc}", file=sys.stderr)
+            return 2
+        return 0
     cmd = "python -m bench.judge " + " ".join(argv if argv is not None else sys.argv[1:])
     judge = Judge(ns)
     results = []
