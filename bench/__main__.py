@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command line (python -m bench, spec-bench), not a caller in this process
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        # A bare command: the short usage, where errors go, and the exit code of a usage error.
+        print("usage: spec-bench COMMAND [options]   (spec-bench --help lists the commands)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]

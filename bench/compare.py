@@ -1,9 +1,8 @@
-"""`python -m bench compare`: the canonical experiment on one pair of backends. Routers for all-baseline,
+"""`spec-bench compare`: the canonical experiment on one pair of backends. Routers for all-baseline,
 all-speculative, spillover at the calibrated threshold, round-robin, balanced, adaptive (and global); winner per
 level; a verdict; and, with `--reference`, every configuration against other deployments of the same GPUs."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -12,20 +11,12 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import calibrate, equal, figures, procs
+from bench import calibration, equal, figures, procs
+from bench.calibration import default_hysteresis, global_threshold
+from bench.cli import ArgError, NotServing, int_list, parser, positive, run_async, wait_serving
+from bench.levels import SweepConfig, add_load_args, run_sweep, write_outputs
 from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
 from bench.sim.profiles import ProfileError
-from bench.sweep import (
-    ArgError,
-    SweepConfig,
-    add_load_args,
-    int_list,
-    parser,
-    positive,
-    run_async,
-    run_sweep,
-    write_outputs,
-)
 
 NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
@@ -60,25 +51,6 @@ LOAD_INTERVAL = 0.5
 SETTLE_POLLS = 3
 
 
-async def wait_routing(url: str, model: str, wait_s: float = 30.0) -> None:
-    """A router may start before its health probes mark backends up; wait until a request streams."""
-    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    deadline = time.monotonic() + wait_s
-    last = ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.post(url + "/v1/chat/completions", json=body) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        return
-                    last = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                last = type(exc).__name__
-            await asyncio.sleep(0.2)
-    raise BenchInputError(f"router {url} did not route a request within {wait_s:g}s (last: {last})")
-
-
 def winners(results: dict[str, list[dict]]) -> list[dict]:
     rows = []
     names = [n for n in results if n not in CONTROL]
@@ -91,8 +63,8 @@ def winners(results: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def verdict(results: dict[str, list[dict]], rec: calibrate.Recommendation | None, threshold: int,
-            spec: calibrate.Curve | None, base: calibrate.Curve | None) -> tuple[list[str], list[dict]]:
+def verdict(results: dict[str, list[dict]], rec: calibration.Recommendation | None, threshold: int,
+            spec: calibration.Curve | None, base: calibration.Curve | None) -> tuple[list[str], list[dict]]:
     """Per level: spillover against the best other configuration, and why when it is behind."""
     lines, rows = [], [{"concurrency": f["concurrency"]} for f in results["all-baseline"]]
     # Spillover is judged against the four configurations it was built to beat; balanced gets its own lines.
@@ -202,7 +174,7 @@ def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float,
     parts = [f"spillover@{threshold} keeps {k} of the {c} in-flight requests on the speculative server "
              f"and {c - k} on the baseline"]
     if best == "round-robin":
-        x = calibrate.round_robin_split(spec, base, c)
+        x = calibration.round_robin_split(spec, base, c)
         parts.append(f"round-robin settles near {x:.1f} / {c - x:.1f}")
     elif best == "all-baseline":
         parts.append(f"all-baseline keeps all {c} on the baseline")
@@ -225,7 +197,7 @@ def explain(c: int, threshold: int, best: str, rec, spec, base, measured: float,
 
 
 def main(argv: list[str]) -> int:
-    p = parser("python -m bench compare",
+    p = parser("compare",
                "spillover (calibrated) vs all-baseline vs all-speculative vs round-robin vs balanced on one pair of "
                "backends: simulated ones started here (default) or your own servers; with --reference, each of "
                "them against other deployments of the same GPUs.")
@@ -259,7 +231,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hysteresis", type=int, default=None,
                    help="global: come back to speculative only below threshold - hysteresis (default: a quarter "
                         "of the global threshold, at least 1)")
-    p.add_argument("--objective", choices=calibrate.OBJECTIVES, default="throughput")
+    p.add_argument("--objective", choices=calibration.OBJECTIVES, default="throughput")
     p.add_argument("--min-requests", type=positive(int), default=16, metavar="N",
                    help="closed loop: at least N requests per level whatever --rounds gives (default 16); "
                         "a level of a few requests per client measures mostly its start and its drain")
@@ -324,7 +296,7 @@ def main(argv: list[str]) -> int:
     try:
         with procs.ProcGroup() as group:
             return _run(ns, group, external, name, "python -m bench compare " + " ".join(argv))
-    except (BenchInputError, procs.ProcError) as exc:
+    except (BenchInputError, procs.ProcError, NotServing) as exc:
         print(f"bench compare: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -351,29 +323,6 @@ def _pair_gpus(ns) -> int:
         except ProfileError as exc:
             raise ProfileError(f"{role}: {exc}") from None
     return max(gpus) if ns.colocated else sum(gpus)
-
-
-def global_threshold(spec: calibrate.Curve, base: calibrate.Curve) -> int:
-    """Total in-flight below which the speculative server alone is at least as fast as the baseline alone:
-    where the two measured curves cross (linear between levels), 0 when it is slower from the start."""
-    levels = sorted(set(spec.levels) | set(base.levels))
-    if spec.throughput(levels[0]) < base.throughput(levels[0]):
-        return 0
-    prev = levels[0]
-    for c in levels[1:]:
-        if spec.throughput(c) < base.throughput(c):
-            # the crossing between prev and c, from the straight lines of both curves
-            ds = spec.throughput(c) - spec.throughput(prev)
-            db = base.throughput(c) - base.throughput(prev)
-            gap = spec.throughput(prev) - base.throughput(prev)
-            x = prev + gap / (db - ds) * (c - prev) if db != ds else prev
-            return max(1, int(x))
-        prev = c
-    return levels[-1]
-
-
-def default_hysteresis(threshold: int) -> int:
-    return max(1, threshold // 4) if threshold > 0 else 0
 
 
 def _rerender(path: Path) -> int:
@@ -425,11 +374,8 @@ async def warm_up(url: str, ns) -> dict:
 
 def _start_pair(ns, group: procs.ProcGroup) -> tuple[str, str]:
     if ns.colocated:
-        start = getattr(procs, "start_colocated", None)
-        if start is None:
-            raise BenchInputError("this build has no co-located simulator (bench.procs.start_colocated)")
-        pair, spec_url, base_url = start(ns.speculative_profile, ns.baseline_profile, ns.speedup,
-                                         kv_share=ns.kv_share)
+        pair, spec_url, base_url = procs.start_colocated(ns.speculative_profile, ns.baseline_profile, ns.speedup,
+                                                         kv_share=ns.kv_share)
         group.add(pair)
         return spec_url, base_url
     spec_url = group.add(procs.start_sim(ns.speculative_profile, ns.speedup, "speculative sim")).url
@@ -455,7 +401,7 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
                extra: list[str] | None = None) -> str:
         r = group.add(procs.start_router([spec_url] if spec else [], [base_url] if base else [], policy,
                                          threshold, extra=extra))
-        run_async(wait_routing(r.url, ns.model))
+        run_async(wait_serving(r.url, model=ns.model))
         return r.url
 
     # Phase 1: each pool alone behind its own router (also the calibration data), and the references,
@@ -464,20 +410,20 @@ def _run(ns, group: procs.ProcGroup, external: bool, name: str, cmd: str) -> int
               ("all-speculative", router("spillover", True, False)), *refs]
     single = run_async(run_sweep(_cfg(ns, phase1)))
     rec = None
-    spec_curve = calibrate.Curve.from_figs(single["all-speculative"])
-    base_curve = calibrate.Curve.from_figs(single["all-baseline"])
+    spec_curve = calibration.Curve.from_figs(single["all-speculative"])
+    base_curve = calibration.Curve.from_figs(single["all-baseline"])
     threshold = ns.threshold
     if threshold is None:
         levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
-        rec = calibrate.recommend(spec_curve, base_curve, levels, ns.objective)
+        rec = calibration.recommend(spec_curve, base_curve, levels, ns.objective)
         threshold = rec.threshold
-        print(calibrate.render(rec, spec_curve, base_curve, levels), file=sys.stderr)
+        print(calibration.render(rec, spec_curve, base_curve, levels), file=sys.stderr)
     g_threshold = ns.global_threshold if ns.global_threshold is not None else global_threshold(spec_curve,
                                                                                                base_curve)
     hysteresis = ns.hysteresis if ns.hysteresis is not None else default_hysteresis(g_threshold)
     # Phase 2: both pools behind the routers that choose between them.
     # balanced runs on the curves phase 1 just measured, exactly as calibrate prints them for the router.
-    spec_pts, base_pts = calibrate.curve_setting(spec_curve), calibrate.curve_setting(base_curve)
+    spec_pts, base_pts = calibration.curve_setting(spec_curve), calibration.curve_setting(base_curve)
     targets = [(n, _routed(n, router, threshold, spec_pts, base_pts, g_threshold, hysteresis)) for n in ns.routed]
     warmups = {}
     if ns.warmup_seconds > 0:
@@ -555,11 +501,11 @@ def report(data: dict) -> tuple[str, str, dict]:
     rec = spec_curve = base_curve = None
     calib = ""
     if data.get("calibrated", True) and data.get("calibration", True) is not None:
-        spec_curve = calibrate.Curve.from_figs(results["all-speculative"])
-        base_curve = calibrate.Curve.from_figs(results["all-baseline"])
+        spec_curve = calibration.Curve.from_figs(results["all-speculative"])
+        base_curve = calibration.Curve.from_figs(results["all-baseline"])
         levels = sorted(set(spec_curve.levels) & set(base_curve.levels))
-        rec = calibrate.recommend(spec_curve, base_curve, levels, cfg.get("objective", "throughput"))
-        calib = calibrate.render(rec, spec_curve, base_curve, levels)
+        rec = calibration.recommend(spec_curve, base_curve, levels, cfg.get("objective", "throughput"))
+        calib = calibration.render(rec, spec_curve, base_curve, levels)
     win = winners(own)
     lines, rows = verdict(own, rec, threshold, spec_curve, base_curve)
     pair = "co-located pair" if cfg.get("colocated") else "pair"
@@ -598,6 +544,8 @@ def report(data: dict) -> tuple[str, str, dict]:
                                           "the routers got is from phase 1)")
     if warm:
         text.append(warm)
+    if ran := requests_line(results):
+        text.append(ran)
     if rec is not None:
         text.append("calibrate's expected spillover vs measured (tok/s): " + ", ".join(
             f"c={r['concurrency']} {r['expected_spillover']:.0f}/{r['spillover']:.0f}"
@@ -612,7 +560,7 @@ def report(data: dict) -> tuple[str, str, dict]:
         text.append(f"host: {host['cpus']} CPUs, load average {host['loadavg_at_start'][0]:.1f} at start, "
                     f"{host['loadavg_at_end'][0]:.1f} at end, {host['wall_seconds']:.0f} s wall")
     extra = {"title": title, "winners": win, "verdict": rows, "verdict_text": lines,
-             "calibration": calibrate.rec_json(rec) if rec else None}
+             "calibration": calibration.rec_json(rec) if rec else None}
     if refs:
         extra |= {"equal_hardware": eq_rows, "equal_hardware_text": eq_lines}
     md = _markdown(title, own, win, lines, calib, cfg.get("command", ""), rows, threshold, gpus)
@@ -633,6 +581,18 @@ async def learned_state(url: str) -> dict | None:
         return None
 
 
+def requests_line(results: dict[str, list[dict]]) -> str:
+    """The requests each level actually ran (completed + failed), not what the flags would have asked for."""
+    counts: dict[int, set[int]] = {}
+    for figs in results.values():
+        for f in figs:
+            counts.setdefault(f["concurrency"], set()).add(f["completed"] + f["failed"])
+    if not counts:
+        return ""
+    return "requests per level as run (completed + failed): " + ", ".join(
+        f"c={c}: {'/'.join(map(str, sorted(n)))}" for c, n in counts.items())
+
+
 def warmup_line(cfg: dict, configs: list[str]) -> str:
     """What the learned configurations were given before their first level (the issue asks the report to say)."""
     learned = [n for n in configs if n in LEARNED]
@@ -650,7 +610,14 @@ def warmup_line(cfg: dict, configs: list[str]) -> str:
                          f"wall at speedup {speedup:g}), {w['requests']} requests at concurrency "
                          f"{'/'.join(map(str, w['concurrency']))} in equal shares, before the first level; "
                          "it keeps learning through the levels")
-    levels_note = f"; at least {cfg['min_requests']} requests per level" if cfg.get("min_requests") else ""
+    if cfg.get("requests_per_level"):
+        levels_note = f"; {cfg['requests_per_level']} requests per level"
+    elif cfg.get("duration_per_level"):
+        levels_note = f"; {cfg['duration_per_level']:g} s per level"
+    elif cfg.get("min_requests"):
+        levels_note = f"; at least {cfg['min_requests']} requests per level"
+    else:
+        levels_note = ""
     if cfg.get("settle_seconds"):
         levels_note += (f"; each level (and warm-up) starts {cfg['settle_seconds']:g} s wall after the one before "
                         "ended, so the /v1/loads figures the learned routers poll no longer show the previous "

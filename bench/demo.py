@@ -1,4 +1,4 @@
-"""`python -m bench demo`: the deployments a user chooses between on the same 8 simulated GPUs (TP8 baseline
+"""`spec-bench demo`: the deployments a user chooses between on the same 8 simulated GPUs (TP8 baseline
 alone, the TP4+TP4 split with the router, the co-located pair with the router, TP8 EAGLE-3 alone), a short
 sweep of each, and which wins where, in about a minute."""
 from __future__ import annotations
@@ -7,39 +7,19 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import calibrate, equal, figures, plan, procs
-from bench.compare import default_hysteresis, global_threshold, wait_routing
+from bench import equal, figures, plan, procs
+from bench.calibration import Curve, default_hysteresis, global_threshold, model_curve
+from bench.cli import ArgError, NotServing, int_list, parser, positive, run_async, wait_serving
+from bench.cli import profile as _profile
+from bench.levels import SweepConfig, run_sweep, write_outputs
 from bench.load import BenchInputError
-from bench.sim import fit
-from bench.sim.profiles import ProfileError, load_profile, load_profile_file
-from bench.sweep import ArgError, SweepConfig, int_list, parser, positive, run_async, run_sweep, write_outputs
+from bench.sim.profiles import ProfileError
 
-# Mean prompt length of the built-in prompt sets, in the simulator's tokens (what its profile fit assumes).
-PROMPT_TOKENS = 23
-CURVE_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLIT, COLOCATED, TP8_BASE, TP8_SPEC = "split+balanced", "colocated+global", "tp8-baseline", "tp8-eagle3"
 
 
-def _profile(name: str):
-    return load_profile_file(name) if name.endswith(".json") else load_profile(name)
-
-
-def model_curve(profile: str, max_tokens: int) -> str:
-    """The closed-loop throughput curve the profile's engine model predicts, as the router's CURVE setting.
-
-    On real servers `python -m bench calibrate` measures this curve; the demo takes it from the model so it
-    stays under a minute."""
-    prof = _profile(profile)
-    return ",".join(f"{c}:{fit.predict(prof, c, max_tokens, PROMPT_TOKENS):.1f}" for c in CURVE_LEVELS)
-
-
-def _curve(setting: str) -> calibrate.Curve:
-    pts = [tuple(map(float, p.split(":"))) for p in setting.split(",")]
-    return calibrate.Curve([int(c) for c, _ in pts], [t for _, t in pts], [1.0] * len(pts))
-
-
 def main(argv: list[str]) -> int:
-    p = parser("python -m bench demo",
+    p = parser("demo",
                "On the same 8 simulated GPUs: TP8 baseline alone, TP4+TP4 split with the router (balanced), the "
                "co-located TP8 pair with the router (global), TP8 EAGLE-3 alone; which wins where.")
     p.add_argument("--drafter", default="eagle3",
@@ -66,7 +46,7 @@ def main(argv: list[str]) -> int:
     except ProfileError as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
-    g_threshold = global_threshold(_curve(curves["spec8"]), _curve(curves["base8"]))
+    g_threshold = global_threshold(Curve.from_setting(curves["spec8"]), Curve.from_setting(curves["base8"]))
     hysteresis = default_hysteresis(g_threshold)
     try:
         with procs.ProcGroup() as group:
@@ -85,7 +65,7 @@ def main(argv: list[str]) -> int:
             cfg = SweepConfig(targets=list(urls.items()), concurrency=ns.concurrency, max_tokens=ns.max_tokens,
                               speedup=ns.speedup, rounds=2, min_requests=8)
             results = run_async(run_sweep(cfg))
-    except (BenchInputError, procs.ProcError, ProfileError) as exc:
+    except (BenchInputError, procs.ProcError, ProfileError, NotServing) as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -118,18 +98,13 @@ def main(argv: list[str]) -> int:
 def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: int,
            hysteresis: int) -> tuple[dict[str, str], dict[str, int], bool]:
     """All simulators at once (each takes a second or two to come up), then the two routers."""
-    colo = getattr(procs, "start_colocated", None)
     jobs = {
         TP8_BASE: lambda: procs.start_sim(prof["base8"], ns.speedup, TP8_BASE),
         TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC),
         "spec4": lambda: procs.start_sim(prof["spec4"], ns.speedup, "split speculative"),
         "base4": lambda: procs.start_sim(prof["base4"], ns.speedup, "split baseline"),
     }
-    if colo is not None:
-        jobs["pair"] = lambda: colo(prof["spec8"], prof["base8"], ns.speedup)
-    else:
-        jobs["pair-spec"] = lambda: procs.start_sim(prof["spec8"], ns.speedup, "pair speculative")
-        jobs["pair-base"] = lambda: procs.start_sim(prof["base8"], ns.speedup, "pair baseline")
+    jobs["pair"] = lambda: procs.start_colocated(prof["spec8"], prof["base8"], ns.speedup)
     started: dict = {}
     errors = []
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -143,19 +118,15 @@ def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: in
         group.add(v[0] if isinstance(v, tuple) else v)
     if errors:
         raise errors[0]
-    if colo is not None:
-        _, pair_spec, pair_base = started["pair"]
-    else:
-        pair_spec, pair_base = started["pair-spec"].url, started["pair-base"].url
+    _, pair_spec, pair_base = started["pair"]
     split = group.add(procs.start_router([started["spec4"].url], [started["base4"].url], "balanced", None, extra=[
         "--speculative-curve", curves["spec4"], "--baseline-curve", curves["base4"]]))
     pair = group.add(procs.start_router([pair_spec], [pair_base], "global", g_threshold,
                                         extra=["--hysteresis", str(hysteresis)]))
     for r in (split, pair):
-        run_async(wait_routing(r.url, "default"))
+        run_async(wait_serving(r.url))
     g8 = equal.profile_gpus(prof["base8"])
     gpus = {TP8_BASE: g8, SPLIT: equal.profile_gpus(prof["spec4"]) + equal.profile_gpus(prof["base4"]),
-            COLOCATED: max(g8, equal.profile_gpus(prof["spec8"])) if colo is not None else
-            g8 + equal.profile_gpus(prof["spec8"]), TP8_SPEC: equal.profile_gpus(prof["spec8"])}
+            COLOCATED: max(g8, equal.profile_gpus(prof["spec8"])), TP8_SPEC: equal.profile_gpus(prof["spec8"])}
     urls = {TP8_BASE: started[TP8_BASE].url, SPLIT: split.url, COLOCATED: pair.url, TP8_SPEC: started[TP8_SPEC].url}
-    return urls, gpus, colo is not None
+    return urls, gpus, True

@@ -1,4 +1,4 @@
-"""`python -m bench drift`: the speculative server's acceptance drops mid-run; who follows it (tok/s, spec share)."""
+"""`spec-bench drift`: the speculative server's acceptance drops mid-run; who follows it (tok/s, spec share)."""
 from __future__ import annotations
 
 import argparse
@@ -11,53 +11,36 @@ from pathlib import Path
 import aiohttp
 
 from bench import procs
-from bench.compare import wait_routing
-from bench.demo import CURVE_LEVELS, PROMPT_TOKENS
+from bench.calibration import model_curve
+from bench.cli import ArgError, NotServing, parser, run_async, wait_serving
+from bench.cli import profile as _profile
 from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
-from bench.sim import fit
-from bench.sim.profiles import ProfileError, load_profile, load_profile_file
+from bench.sim.profiles import ProfileError
 
 # adaptive learns alone; balanced is given the curves of before the change (what a calibration run left in
 # .env) or of after it (the best a person re-running calibrate at once could do).
 CONFIGS = ("adaptive", "balanced-pre", "balanced-post")
 
 
-class ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ArgError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench drift", description=__doc__)
-    p.add_argument("--speculative-profile", default="eagle3-tp8")
-    p.add_argument("--baseline-profile", default="baseline-tp8")
+    p = parser("drift", __doc__)
+    p.add_argument("--speculative-profile", default="eagle3-tp8",
+                   help="simulator profile of the speculative server, a name or a .json file (default eagle3-tp8)")
+    p.add_argument("--baseline-profile", default="baseline-tp8",
+                   help="simulator profile of the baseline server, a name or a .json file (default baseline-tp8)")
     p.add_argument("--speedup", type=float, default=20.0, help="simulated seconds per wall second (default 20)")
     p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (default 32)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prompts", default="coding")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    p.add_argument("--prompts", default="coding", help="coding | general | FILE.jsonl (default coding)")
     p.add_argument("--before", type=float, default=120.0, help="simulated seconds before the change (default 120)")
     p.add_argument("--after", type=float, default=180.0, help="simulated seconds after it (default 180)")
     p.add_argument("--accept-after", type=float, default=1.6, help="mean accept length after the change")
     p.add_argument("--window", type=float, default=10.0, help="simulated seconds per reported window")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
-    p.add_argument("--out", type=Path, default=Path("bench-out"))
-    p.add_argument("--name", default="drift")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
+    p.add_argument("--name", default="drift", help="file stem of the outputs (default drift)")
+    p.add_argument("--no-plot", action="store_true", help="write JSON and text only, no PNG")
     return p
-
-
-def _profile(name: str):
-    return load_profile_file(name) if name.endswith(".json") else load_profile(name)
-
-
-def model_curve(profile: str, max_tokens: int, accept_length: float | None = None) -> str:
-    prof = _profile(profile)
-    return ",".join(f"{c}:{fit.predict(prof, c, max_tokens, PROMPT_TOKENS, accept_length):.1f}"
-                    for c in CURVE_LEVELS)
 
 
 def _tokens_by_pool(text: str) -> dict[str, float]:
@@ -211,7 +194,7 @@ def run(ns) -> int:
             extra += ["--load-signal", "backend", "--load-interval", f"{max(0.05, 5.0 / ns.speedup):g}"]
             policy = "adaptive" if name == "adaptive" else "balanced"
             r = group.add(procs.start_router([spec_url], [base_url], policy, None, extra=extra))
-            asyncio.run(wait_routing(r.url, "default"))
+            run_async(wait_serving(r.url))
             print(f"{name}: running {ns.before + ns.after:g} simulated seconds", file=sys.stderr)
             runs[name] = asyncio.run(_drive(ns, r.url, spec_url))
     summary = summarize(ns, runs)
@@ -239,6 +222,6 @@ def main(argv: list[str]) -> int:
         if ns.speedup <= 0 or ns.concurrency < 1 or ns.window <= 0 or ns.before <= 0 or ns.after <= 0:
             raise ArgError("--speedup, --concurrency, --window, --before and --after must be positive")
         return run(ns)
-    except (ArgError, BenchInputError, procs.ProcError, ProfileError, ValueError) as exc:
+    except (ArgError, BenchInputError, procs.ProcError, ProfileError, NotServing, ValueError) as exc:
         print(f"bench drift: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ each (speculative first), like a co-located simulator pair; SIGTERM stops both. 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.cli import ArgError, parser
 from bench.procs import terminate
 
 LLAMA_CPP_PYTHON = "0.3.36"  # pinned here, in pyproject's `engine` extra and in scripts/install_engine.sh
@@ -143,15 +143,19 @@ def start_engine(model: Path, *, speculative: bool, wait_s: float = 120.0, log_d
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench engines", description=(
+    p = parser("engines", (
         "Start two llama-cpp-python servers on 127.0.0.1 port 0 with Gemma 3 270M: the first with prompt-lookup "
         "speculative decoding, the second without. Prints their URLs; SIGTERM stops both. Front them with "
         f"`python -m router serve --health-path {HEALTH_PATH} --speculative URL1 --baseline URL2`."))
     p.add_argument("--threads", type=int, default=1, help="CPU threads per engine (default 1)")
     p.add_argument("--n-ctx", type=int, default=2048, help="context size per engine (default 2048)")
     p.add_argument("--draft-tokens", type=int, default=10, help="prompt-lookup tokens proposed per step")
-    p.add_argument("--seed", type=int, default=0)
-    ns = p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of both engines (default 0)")
+    try:
+        ns = p.parse_args(argv)
+    except ArgError as exc:
+        print(f"bench engines: {exc}", file=sys.stderr)
+        return 2
     if (why := available()) is not None:
         print(f"bench engines: {why}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from bench import figures
+from bench.figures import gpus_label, hardware_note
 
 NOISE = 0.03  # closed-loop runs of a few requests per client repeat within about this fraction
 
@@ -33,10 +34,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 def profile_gpus(profile: str) -> int:
     """A simulator profile's GPU count: its tensor-parallel size (tp4 = 4, tp8 = 8)."""
-    from bench.sim.profiles import load_profile, load_profile_file
+    from bench.cli import profile as load
 
-    prof = load_profile_file(profile) if profile.endswith(".json") else load_profile(profile)
-    return prof.tp_size
+    return load(profile).tp_size
 
 
 def parse_reference(text: str) -> Reference:
@@ -79,23 +79,9 @@ def resolve_gpus(refs: list[Reference], default_gpus: int | None) -> list[Refere
     return out
 
 
-def gpus_label(n: int | None) -> str:
-    return "? GPUs" if n is None else f"{n} GPU" + ("" if n == 1 else "s")
-
-
 def header(name: str, gpus: dict[str, int | None]) -> str:
     """A column name that carries its GPU count: `balanced [8 GPUs]`."""
     return f"{name} [{gpus_label(gpus.get(name))}]" if name in gpus else name
-
-
-def hardware_note(names: list[str], gpus: dict[str, int | None]) -> str:
-    """Empty when every named deployment uses the same known number of GPUs, else the warning that has to
-    sit in the same line as any comparison of them."""
-    counts = {gpus.get(n) for n in names}
-    if len(counts) == 1 and None not in counts:
-        return ""
-    parts = ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names)
-    return f"UNEQUAL HARDWARE: {parts}"
 
 
 def _level(figs: list[dict], i: int) -> dict | None:

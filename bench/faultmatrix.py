@@ -1,4 +1,4 @@
-"""`python -m bench faults`: inject each backend fault under load (subprocesses, loopback) and tabulate what clients saw."""
+"""`spec-bench faults`: inject each backend fault under load (subprocesses, loopback) and tabulate what clients saw."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from bench import procs
-from bench.stress import (
+from bench.cli import ArgError, NotServing, parser, run_async, wait_serving
+from bench.streams import (
     DISCONNECTED,
     EXPLICIT,
     OK,
@@ -27,9 +28,7 @@ from bench.stress import (
     drive,
     read_router,
     read_sim,
-    run_async,
     wait_quiet,
-    wait_ready,
 )
 
 # Router settings for the matrix: fast probes so a row takes seconds; every value is printed with the table.
@@ -42,15 +41,6 @@ ROUTER_FLAGS = {
     "--eject-consecutive-errors": "5", "--eject-base-seconds": "5", "--eject-max-seconds": "60",
     "--eject-trial-requests": "3",
 }
-
-
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise _ArgError(message)
 
 
 @dataclass
@@ -238,7 +228,7 @@ async def sample(st: Stack, tl: Timeline, stop: asyncio.Event, every: float = 0.
 async def run_row(row: Row, speedup: float, scale: float = 1.0) -> dict:
     with procs.ProcGroup() as group:
         st = await asyncio.to_thread(start_stack, group, row, speedup)
-        await wait_ready(st.router.url)
+        await wait_serving(st.router.url, within=20.0, every_backend=True)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             st.http = http
             tally = ClientTally()
@@ -342,10 +332,10 @@ def render(results: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench faults",
-                description="Inject each backend fault into simulator subprocesses behind a router subprocess "
-                            "while load runs; print what clients saw, detection / fail-over / recovery times and "
-                            "the in-flight gauges afterwards as a markdown table.")
+    p = parser("faults",
+               "Inject each backend fault into simulator subprocesses behind a router subprocess "
+               "while load runs; print what clients saw, detection / fail-over / recovery times and "
+               "the in-flight gauges afterwards as a markdown table.")
     p.add_argument("--rows", default="all", help=f"comma-separated subset of: {', '.join(r.key for r in ROWS)}")
     p.add_argument("--speedup", type=float, default=5.0, help="simulator clock speed-up (default 5)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply each row's load duration (default 1)")
@@ -359,11 +349,11 @@ def main(argv: list[str]) -> int:
         keys = [r.key for r in ROWS] if ns.rows == "all" else [k.strip() for k in ns.rows.split(",") if k.strip()]
         unknown = [k for k in keys if k not in {r.key for r in ROWS}]
         if unknown or not keys:
-            raise _ArgError(f"unknown row {unknown[0] if unknown else ''!r}; choose from "
+            raise ArgError(f"unknown row {unknown[0] if unknown else ''!r}; choose from "
                             f"{', '.join(r.key for r in ROWS)}")
         if ns.speedup <= 0 or not 0.5 <= ns.scale <= 10:
-            raise _ArgError("--speedup must be > 0 and --scale within 0.5..10")
-    except _ArgError as exc:
+            raise ArgError("--speedup must be > 0 and --scale within 0.5..10")
+    except ArgError as exc:
         print(f"bench faults: {exc}", file=sys.stderr)
         return 2
     rows = [r for r in ROWS if r.key in keys]
@@ -372,7 +362,7 @@ def main(argv: list[str]) -> int:
         for row in rows:
             print(f"bench faults: {row.key} ...", file=sys.stderr, flush=True)
             results.append(run_async(run_row(row, ns.speedup, ns.scale)))
-    except procs.ProcError as exc:
+    except (procs.ProcError, NotServing) as exc:
         print(f"bench faults: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -189,9 +189,21 @@ def render_table(results: dict[str, list[dict]], title: str | None = None,
     return "\n".join(out).rstrip("\n")
 
 
-def gpus_line(names: list[str], gpus: dict[str, int | None]) -> str:
-    from bench.equal import gpus_label, hardware_note
+def gpus_label(n: int | None) -> str:
+    return "? GPUs" if n is None else f"{n} GPU" + ("" if n == 1 else "s")
 
+
+def hardware_note(names: list[str], gpus: dict[str, int | None]) -> str:
+    """Empty when every named deployment uses the same known number of GPUs, else the warning that has to
+    sit in the same line as any comparison of them."""
+    counts = {gpus.get(n) for n in names}
+    if len(counts) == 1 and None not in counts:
+        return ""
+    parts = ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names)
+    return f"UNEQUAL HARDWARE: {parts}"
+
+
+def gpus_line(names: list[str], gpus: dict[str, int | None]) -> str:
     note = hardware_note(names, gpus)
     return "GPUs per column: " + ", ".join(f"{n} {gpus_label(gpus.get(n))}" for n in names) + (
         f" ({note})" if note else " (equal hardware)")

@@ -1,7 +1,6 @@
-"""`python -m bench modelcheck`: record what the router observes under load, replay it through speed models."""
+"""`spec-bench modelcheck`: record what the router observes under load, replay it through speed models."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -14,26 +13,18 @@ from pathlib import Path
 import aiohttp
 
 from bench import procs
-from bench.drift import model_curve
+from bench.calibration import model_curve
+from bench.cli import ArgError, parser, run_async
+from bench.cli import profile as load_profile
 from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
-from bench.sim.profiles import ProfileError, load_profile
-from bench.sweep import run_async
+from bench.sim.profiles import ProfileError
 from router.adaptive import sample
-from router.curves import fit_token_time
+from router.curves import fit_token_time, parse_curve
 from router.observe import Observation
 from router.speedmodel import Params, SpeedModel
 
 # (pool, n running, seconds per token per request, phase) in the order the router saw them.
 Sample = tuple[str, float, float, str]
-
-
-class ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ArgError(message)
 
 
 # ---- the models compared (each: predict(n) -> seconds per token per request, then update(n, y))
@@ -201,19 +192,22 @@ async def record(ns) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m bench modelcheck", description=__doc__)
+    p = parser("modelcheck", __doc__)
     p.add_argument("file", type=Path, help="recording (JSON): written with --record, else read and replayed")
     p.add_argument("--record", action="store_true", help="run the simulators and the router and write FILE")
-    p.add_argument("--speculative-profile", default="eagle3-good-tp8")
-    p.add_argument("--baseline-profile", default="baseline-tp8")
-    p.add_argument("--speedup", type=float, default=5.0)
+    p.add_argument("--speculative-profile", default="eagle3-good-tp8",
+                   help="--record: simulator profile of the speculative server (default eagle3-good-tp8)")
+    p.add_argument("--baseline-profile", default="baseline-tp8",
+                   help="--record: simulator profile of the baseline server (default baseline-tp8)")
+    p.add_argument("--speedup", type=float, default=5.0, help="--record: simulator clock speed-up (default 5)")
     p.add_argument("--levels", default="5,30,100,10,70,2,30,100,5,250",
                    help="closed-loop concurrency levels in order (comma-separated)")
     p.add_argument("--rounds", type=int, default=3, help="requests per client per level (at least 16 a level)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of every request (default 512)")
     p.add_argument("--drift-after", type=int, default=None, metavar="K",
                    help="change the speculative server's acceptance after the first K levels")
-    p.add_argument("--accept-after", type=float, default=1.6)
+    p.add_argument("--accept-after", type=float, default=1.6,
+                   help="--drift-after: the speculative server's mean accept length after the change (default 1.6)")
     try:
         ns = p.parse_args(argv)
         ns.levels = [int(x) for x in ns.levels.split(",") if x.strip()]
@@ -231,11 +225,11 @@ def main(argv: list[str]) -> int:
             # seconds, before any drift.
             fixed = {}
             for pool, prof in (("speculative", ns.speculative_profile), ("baseline", ns.baseline_profile)):
-                pts = [tuple(map(float, x.split(":"))) for x in model_curve(prof, ns.max_tokens).split(",")]
+                pts = parse_curve(model_curve(prof, ns.max_tokens))
                 fixed[pool] = fit_token_time([(c, tok * ns.speedup) for c, tok in pts])
             data |= {"max_running": {"speculative": spec.max_running_requests,
                                      "baseline": base.max_running_requests},
-                     "fixed": fixed, "command": "python -m bench modelcheck " + " ".join(argv)}
+                     "fixed": fixed, "command": "spec-bench modelcheck " + " ".join(argv)}
             ns.file.write_text(json.dumps(data), encoding="utf-8")
         data = json.loads(ns.file.read_text(encoding="utf-8"))
         text, _ = evaluate(data)

@@ -1,4 +1,4 @@
-"""`python -m bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
+"""`spec-bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
 from __future__ import annotations
 
 import argparse
@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import NoReturn
 
 from bench import procs
-from bench.rawhttp import Connection, HTTPFailure, request_bytes
+from bench.cli import ArgError, NotServing, parser, raise_fd_limit, run_async, wait_serving
+from bench.rawhttp import Connection, HTTPFailure, open_all, request_bytes
 
 PATH = "/v1/chat/completions"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -94,34 +94,6 @@ def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
     return procs.Proc(name=PEER, proc=popen, url=f"http://127.0.0.1:{port}")
 
 
-def _tail(path: Path | None) -> str:
-    if path is None or not path.exists():
-        return ""
-    text = " | ".join(line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip())
-    return ": " + text[-300:] if text else ""
-
-
-async def wait_routes(url: str, proc: subprocess.Popen | None, log: Path | None = None,
-                      within: float = 30.0) -> None:
-    raw = request_bytes(url, PATH, json.dumps(CHAT).encode())
-    deadline = time.monotonic() + within
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise OverheadError(f"{url}: exited with code {proc.returncode} before routing{_tail(log)}")
-        try:
-            conn = await asyncio.wait_for(Connection.open(url), 2.0)
-            try:
-                await asyncio.wait_for(conn.send(raw), 5.0)
-                return
-            finally:
-                conn.close()
-        except (OSError, HTTPFailure, TimeoutError) as exc:
-            last = str(exc) or type(exc).__name__
-        await asyncio.sleep(0.2)
-    raise OverheadError(f"{url}: no 2xx answer within {within:g}s ({last}){_tail(log)}")
-
-
 async def set_mode(backend_url: str, **mode: float) -> None:
     conn = await Connection.open(backend_url)
     try:
@@ -143,18 +115,10 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1e3, 3)
 
 
-async def _open_all(url: str, n: int) -> list[Connection]:
-    conns: list[Connection] = []
-    for i in range(0, n, 100):  # in batches: a burst of SYNs larger than the backlog is not what we measure
-        conns += await asyncio.wait_for(
-            asyncio.gather(*(Connection.open(url) for _ in range(min(100, n - i)))), 30)
-    return conns
-
-
 async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float) -> dict:
     """`concurrency` keep-alive connections each send the next request when the last one ended."""
     raw = request_bytes(url, PATH, json.dumps(body).encode())
-    conns = await _open_all(url, concurrency)
+    conns = await open_all(url, concurrency)
     t_measure = time.perf_counter() + warmup
     t_end = t_measure + duration
     latencies: list[float] = []
@@ -215,7 +179,7 @@ def _rss(pid: int) -> int:
 
 
 async def _open_streams(url: str, raw: bytes, n: int, within: float) -> list[tuple[Connection, asyncio.Future]]:
-    conns = await _open_all(url, n)
+    conns = await open_all(url, n)
     pairs = [(c, c.send(raw)) for c in conns]
     deadline = time.monotonic() + within
     # The first byte is noted by the protocol callbacks; polling them keeps the client free of extra futures.
@@ -378,16 +342,10 @@ def render(result: dict) -> str:
 
 # ---- the command -----------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, exit 2: a bad flag is the user's to fix, not a usage block to read.
-        self.exit(2, f"bench overhead: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="spec-bench overhead",
-        description="Measure what a proxy adds on this machine: request rate at c=1 and high concurrency over "
+    p = parser(
+        "overhead",
+        "Measure what a proxy adds on this machine: request rate at c=1 and high concurrency over "
                     "keep-alive connections, added p50, stream time to first byte with a paced backend, chunks/s "
                     "through one proxy core, proxy memory per open idle stream. Targets: direct to a fast fake "
                     f"SGLang backend, this router, and {PEER} when installed (pip install 'spec-router[peers]').")
@@ -438,8 +396,6 @@ def _version(dist: str) -> str:
 
 
 def run(ns: argparse.Namespace) -> dict:
-    from bench.stress import raise_fd_limit
-
     raise_fd_limit(4 * ns.idle_streams + 4 * ns.concurrency + 256)
     cpus = plan_cpus(not ns.no_pin)
     notes = []
@@ -492,8 +448,6 @@ def run(ns: argparse.Namespace) -> dict:
 def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: argparse.Namespace,
                   cpus: dict, group: procs.ProcGroup, tmp: Path) -> None:
     """One repeat of one target: a fresh proxy process for it, measured, then stopped."""
-    from bench.stress import run_async
-
     if name == "direct":
         t = targets.setdefault(name, Target(name, "direct to the backend", backend_url))
         run_async(_measure_pinned(t, backend_url, ns, cpus["load"], None))
@@ -523,13 +477,17 @@ async def _measure_pinned(t: Target, backend_url: str, ns: argparse.Namespace, c
                           proc: subprocess.Popen | None, log: Path | None = None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    await wait_routes(t.url, proc, log)
+    await wait_serving(t.url, proc=proc, log=log, within=30.0)
     t.figures = await measure(t, backend_url, ns)
 
 
 def main(argv: list[str]) -> int:
     p = build_parser()
-    ns = p.parse_args(argv)
+    try:
+        ns = p.parse_args(argv)
+    except ArgError as exc:
+        print(f"bench overhead: {exc} (see --help)", file=sys.stderr)
+        return 2
     ns.targets = [x.strip() for x in ns.targets.split(",") if x.strip()]
     ns.points = [x.strip() for x in ns.points.split(",") if x.strip()]
     if (problem := _check(ns)) is not None:
@@ -537,7 +495,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result = run(ns)
-    except (OverheadError, procs.ProcError) as exc:
+    except (OverheadError, procs.ProcError, NotServing) as exc:
         print(f"bench overhead: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

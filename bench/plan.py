@@ -1,4 +1,4 @@
-"""`python -m bench plan`: break-even from measured curves. Which deployment of the same GPUs to run at which
+"""`spec-bench plan`: break-even from measured curves. Which deployment of the same GPUs to run at which
 load, and what single-stream speedup the speculative server would need for the router's deployments to win."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import calibrate, equal, figures
+from bench import calibration, equal, figures
+from bench.cli import ArgError, parser
 from bench.load import BenchInputError
-from bench.sweep import ArgError, parser
 
 SINGLE = ("all-baseline", "all-speculative")
 
@@ -22,8 +22,8 @@ class Candidate:
     kind: str  # "split" | "colocated" | "alone" (another reference: one server on the same GPUs)
     gpus: int | None
     figs: list[dict]
-    spec: calibrate.Curve | None = None  # the pair's speculative server alone
-    base: calibrate.Curve | None = None  # the pair's baseline server alone
+    spec: calibration.Curve | None = None  # the pair's speculative server alone
+    base: calibration.Curve | None = None  # the pair's baseline server alone
     pair: str = ""  # the measured pair it runs on (several router configurations share one)
     file_refs: dict[str, list[dict]] = field(default_factory=dict)  # the references measured in its own run
 
@@ -43,7 +43,7 @@ class Plan:
     today: dict[str, float] = field(default_factory=dict)
 
 
-def needed_scale(kind: str, spec: calibrate.Curve, base: calibrate.Curve, ref_tput: float, c: int) -> float | None:
+def needed_scale(kind: str, spec: calibration.Curve, base: calibration.Curve, ref_tput: float, c: int) -> float | None:
     """The smallest factor s on the speculative server's whole curve for which the pair reaches the
     reference's throughput at c in-flight requests (0 if the baseline alone does; None if no s can).
     split: the best placement, max over k of s*S(k) + B(c-k). colocated (global): one server serves all,
@@ -62,7 +62,7 @@ def needed_scale(kind: str, spec: calibrate.Curve, base: calibrate.Curve, ref_tp
     return best
 
 
-def single_stream(spec: calibrate.Curve, base: calibrate.Curve) -> float:
+def single_stream(spec: calibration.Curve, base: calibration.Curve) -> float:
     """Speculative over baseline at one request (the speedup a single-stream benchmark shows)."""
     b = base.throughput(1)
     return spec.throughput(1) / b if b else float("inf")
@@ -86,8 +86,8 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
         label = f"{kind} {Path(str(cfg['speculative'])).stem}" if cfg.get("speculative") else kind
         spec = base = None
         if all(n in results for n in SINGLE):
-            spec = calibrate.Curve.from_figs(results["all-speculative"])
-            base = calibrate.Curve.from_figs(results["all-baseline"])
+            spec = calibration.Curve.from_figs(results["all-speculative"])
+            base = calibration.Curve.from_figs(results["all-baseline"])
         configs = data.get("configs") or [n for n in results if n not in (data.get("references") or {})]
         kinds = data.get("kinds") or {}  # a demo run: several deployments in one file, each named already
         for n in configs:
@@ -141,10 +141,11 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
 def _not_speculative(profile: str | None) -> bool:
     if not profile:
         return False
-    from bench.sim.profiles import ProfileError, load_profile, load_profile_file
+    from bench.cli import profile as load
+    from bench.sim.profiles import ProfileError
 
     try:
-        prof = load_profile_file(profile) if profile.endswith(".json") else load_profile(profile)
+        prof = load(profile)
     except ProfileError:
         return False
     return not prof.speculative
@@ -206,10 +207,10 @@ def plan_json(plan: Plan) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser("python -m bench plan",
+    p = parser("plan",
                "Read compare (or demo) JSON files with references and say which deployment of the same GPUs "
                "wins at which load, and what the speculative server would need to change that.")
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE.json")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE.json", help="compare or demo JSON outputs")
     p.add_argument("--against", default=None, metavar="NAME",
                    help="the reference to beat (default: the first non-speculative profile reference)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the plan as JSON")

@@ -189,3 +189,13 @@ class Connection(asyncio.Protocol):
             self.state, self.remaining = _LENGTH, length
         else:
             self.state = _UNTIL_CLOSE
+
+
+async def open_all(url: str, n: int) -> list[Connection]:
+    """`n` keep-alive connections to `url`, opened in batches of 100: a burst of SYNs larger than the listen
+    backlog is not what a load measures."""
+    conns: list[Connection] = []
+    for i in range(0, n, 100):
+        conns += await asyncio.wait_for(
+            asyncio.gather(*(Connection.open(url) for _ in range(min(100, n - i)))), 30)
+    return conns

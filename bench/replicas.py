@@ -1,4 +1,4 @@
-"""`python -m bench replicas`: N router replicas in front of the same simulators, load_signal backend vs local.
+"""`spec-bench replicas`: N router replicas in front of the same simulators, load_signal backend vs local.
 
 One closed-loop client spreads its requests over the replicas; the speculative simulators' own running +
 queued counts are sampled over time and compared with the pool's threshold (spillover: threshold x
@@ -19,20 +19,11 @@ from pathlib import Path
 import aiohttp
 
 from bench import procs
+from bench.cli import ArgError, NotServing, parser, run_async, wait_serving
 from bench.figures import percentile
 from bench.load import RequestRecord, build_body, load_prompts, stream_one
-from bench.stress import run_async, wait_ready
 
 SIGNALS = ("backend", "local")
-
-
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        raise _ArgError(message)
 
 
 @dataclass
@@ -67,7 +58,7 @@ class SignalRun:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench replicas", description=__doc__.splitlines()[0])
+    p = parser("replicas", __doc__.splitlines()[0])
     d = Config()
     p.add_argument("--replicas", type=int, default=d.replicas, help="router replicas (default 3)")
     p.add_argument("--speculative", type=int, default=d.speculative, help="speculative simulators (default 2)")
@@ -86,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-interval", type=float, default=d.sample_interval,
                    help="seconds between samples of the simulators' running counts (default 0.05)")
     p.add_argument("--signals", default=",".join(d.signals), help="comma list of backend,local (default both)")
-    p.add_argument("--speculative-profile", default=d.speculative_profile)
-    p.add_argument("--baseline-profile", default=d.baseline_profile)
+    p.add_argument("--speculative-profile", default=d.speculative_profile,
+                   help=f"simulator profile of the speculative servers (default {d.speculative_profile})")
+    p.add_argument("--baseline-profile", default=d.baseline_profile,
+                   help=f"simulator profile of the baseline servers (default {d.baseline_profile})")
     p.add_argument("--prompts", default=d.prompts, help="built-in prompt set or JSONL file (default general)")
     p.add_argument("--out", help="directory for replicas.json, replicas.csv (samples) and replicas.md")
     return p
@@ -96,19 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> Config:
     signals = tuple(s.strip() for s in ns.signals.split(",") if s.strip())
     if not signals or any(s not in SIGNALS for s in signals):
-        raise _ArgError(f"--signals takes a comma list of {', '.join(SIGNALS)}")
+        raise ArgError(f"--signals takes a comma list of {', '.join(SIGNALS)}")
     for name in ("replicas", "speculative", "threshold", "concurrency", "max_tokens"):
         if getattr(ns, name) < 1:
-            raise _ArgError(f"--{name.replace('_', '-')} must be at least 1")
+            raise ArgError(f"--{name.replace('_', '-')} must be at least 1")
     if ns.baseline < 0:
-        raise _ArgError("--baseline must be 0 or more")
+        raise ArgError("--baseline must be 0 or more")
     for name in ("duration", "speedup", "load_interval", "sample_interval"):
         if not getattr(ns, name) > 0:
-            raise _ArgError(f"--{name.replace('_', '-')} must be positive")
+            raise ArgError(f"--{name.replace('_', '-')} must be positive")
     if not 0 <= ns.ramp < ns.duration:
-        raise _ArgError("--ramp must be at least 0 and below --duration")
+        raise ArgError("--ramp must be at least 0 and below --duration")
     if ns.duration > 3600:
-        raise _ArgError("--duration is capped at 3600 seconds")
+        raise ArgError("--duration is capped at 3600 seconds")
     return Config(replicas=ns.replicas, speculative=ns.speculative, baseline=ns.baseline, threshold=ns.threshold,
                   concurrency=ns.concurrency, duration=ns.duration, ramp=ns.ramp, max_tokens=ns.max_tokens, speedup=ns.speedup,
                   load_interval=ns.load_interval, sample_interval=ns.sample_interval, signals=signals,
@@ -179,7 +172,7 @@ def run_signal(cfg: Config, signal: str) -> SignalRun:
                                                 cfg.threshold, name=f"router {signal} {i}", extra=flags))
                    for i in range(cfg.replicas)]
         for r in routers:
-            run_async(wait_ready(r.url))
+            run_async(wait_serving(r.url, within=20.0, every_backend=True))
         run_async(drive(cfg, run, [r.url for r in routers], [p.url for p in spec]))
         run.spec_requests = run_async(_served([p.url for p in spec]))
         run.base_requests = run_async(_served([p.url for p in base])) if base else 0
@@ -257,7 +250,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config_from_args(build_parser().parse_args(argv))
         load_prompts(cfg.prompts)
-    except _ArgError as exc:
+    except ArgError as exc:
         print(f"bench replicas: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a bad prompt file: BenchInputError and friends, one line
@@ -267,7 +260,7 @@ def main(argv: list[str]) -> int:
     try:
         for signal in cfg.signals:
             runs.append(run_signal(cfg, signal))
-    except procs.ProcError as exc:
+    except (procs.ProcError, NotServing) as exc:
         print(f"bench replicas: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,12 +9,13 @@ import sys
 import typing
 from typing import NoReturn
 
+from router.cliargs import OneLineParser
 from router.settings import ConfigError, Settings, load_settings
 
 PROG = "python -m router"
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     def error(self, message: str) -> NoReturn:
         # One line, exit 2: bad flags are the user's to fix, not a traceback to read.
         self.exit(2, f"router: error: {message} (see {PROG} serve --help)\n")

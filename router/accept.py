@@ -38,7 +38,6 @@ class Acceptor:
         self.sock = sock
         self.factory = factory
         self.loop = asyncio.get_running_loop()
-        self.accepted = 0
         self._tasks: set[asyncio.Task] = set()
         self._watching = False
         self._closed = False
@@ -75,7 +74,6 @@ class Acceptor:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             taken += 1
-        self.accepted += taken
         return taken
 
     async def _connect(self, conn: socket.socket) -> None:

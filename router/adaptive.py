@@ -22,72 +22,26 @@ from router.policy import (
 from router.speedmodel import NEUTRAL, Params, SpeedModel
 
 OBJECTIVES = ("throughput", "latency")
-# An instance routes on its own model once it has this many samples; before, on its pool's.
-MIN_INSTANCE_SAMPLES = 20
-# A pool with fewer samples than this and no prior borrows the other pool's model.
-MIN_POOL_SAMPLES = 3
-# Exploration never picks a backend whose score is below this fraction of the best one's.
-EXPLORE_FLOOR = 0.7
-# A relative change of the reported accept length beyond this rescales the model at once.
-# The reported accept length is a window average that moves by 5-10% with the mix of the last steps' requests
-# (other clients' traffic included): only a larger move, seen on ACCEPT_POLLS polls in a row, is a change of
-# tokens per step (a drafter swap, a prompt-mix shift: 2.6 -> 1.6 is 38%). Smaller real changes are left to
-# the timings, which forgetting follows. At 8% and one poll, a compare run rescaled the models back and forth
-# while samples kept coming in, and each round trip left them a few percent off (5x after a few minutes).
+# The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
+MIN_INSTANCE_SAMPLES = 20  # an instance routes on its own model from this many samples; before, on its pool's
+MIN_POOL_SAMPLES = 3  # a pool with fewer and no prior borrows the other pool's model
+EXPLORE_FLOOR = 0.7  # exploration never picks a backend scoring below this fraction of the best one
+# The reported accept length is a window average that jitters by 5-10%: only a move beyond ACCEPT_JUMP, on
+# ACCEPT_POLLS polls in a row, from a server running at least ACCEPT_MIN_RUNNING, rescales the model.
 ACCEPT_JUMP = 0.2
 ACCEPT_POLLS = 2
-# ... and only from a server running at least this many requests. The figure averages the last steps, so with one
-# request running it is that request's own accept length, which a speculative server draws per request (the
-# simulator: +-12%, clipped at +-23%): one request in twelve lands beyond the 20% on its own, and at 1-2 clients
-# a speculative request runs for several polls. The model was then rescaled by that one request's luck (20% fast,
-# say) and stayed there: the next requests' lengths were within 20% of the new anchor. On the seed pair at one
-# client both adaptive routers of one run sent ~60% of the requests to the speculative server, 12% slower alone
-# (0.92x). With four running the figure's own spread is half, and a 20% move is a change of the server's.
 ACCEPT_MIN_RUNNING = 4
-# Light load is where one pool is often never tried (every request goes to the one judged faster alone), and
-# where a line fitted to busier traffic is least sure. Until the other pool has this many samples in the load
-# band the request would meet there (up to LOW_LOAD running), it gets a share LOW_LOAD_EXPLORE of decisions
-# (where that costs little; a pool with a prior from a calibration is known there already).
+# Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
+# LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there).
 LOW_LOAD = 3
 LOW_LOAD_SAMPLES = 5
 LOW_LOAD_EXPLORE = 0.5
-# objective "latency": per-request speeds closer than this are a tie the models cannot call (their error is a
-# few percent), and the tie goes to the pool that gains more throughput from the request. At 2 clients on the
-# seed pair the speculative server alone and the baseline with two differ by 1.3% per request while one each
-# serves 7% more than both on the baseline: a model 2% off would otherwise pick either at random.
-NEAR_TIE = 0.03
-# Only at light load (both backends would run the request with at most LOW_LOAD - 1 others): there a request is
-# a large share of a server's work, the choices are few, and the better split of the two is worth several percent
-# of the total. Busier, one request moves a split by little and the tie-break has a direction: it picks the
-# server whose throughput gains more, the speculative one at mid loads, every time its per-request speed is
-# within 3% below the other's. A recording (TP4+TP4 split, 30 clients) showed it put one request more on the
-# speculative server at each such tie (9 running where the rule alone keeps 8), its requests 10% slower than the
-# baseline's (3% by the model, the rest the model's error) and the level's drain 9% longer.
-
-# Random exploration only for a pool the routing itself has not sent a request to in this many decisions: a pool
-# that gets its share of the traffic is measured already, and an explored request there is one more than its
-# share. In a closed-loop level that request and the others on its server run slower than the rest and end the
-# level late: at 3% of 60 requests one or two land in a level's second round, and at 9 running on the
-# speculative server each costs its requests ~10% speed (what the `latency` rule had equalised).
-FRESH = 10
-# The near tie widens by TIE_Z standard errors of the two predictions there (each model's per-request spread over
-# the square root of its samples in that load band): a speculative server's requests scatter by their own
-# acceptance (+-12% drawn per request in the simulator, sd ~10% of the token time measured), so with eight
-# samples alone its speed there is known to ~3.5%. On the TP4+TP4 split at 2 clients the speculative server alone
-# and the baseline with two are within 1% of each other; the model, 3.5-4% off the speculative side, sent both
-# clients to the baseline in two runs of three (0.96-0.97x of one each).
+NEAR_TIE = 0.03  # "latency": per-request speeds this close are a tie the models cannot call
+FRESH = 10  # random exploration only of a pool not sent a request in this many decisions
+# The near tie widens by TIE_Z standard errors of the two predictions (capped at MAX_TIE).
 TIE_Z = 2.0
 MAX_TIE = 0.15
-# The published spread moves only by more than this (a refit changes it by a little every few samples).
-SPREAD_BAND = 0.01
-# objective "latency", busier than LOW_LOAD: per-request speeds within NEAR_TIE are a tie there too, and it goes to
-# the backend whose requests scatter less (its model's spread, when the two differ by more than SPREAD_BAND).
-# At equal mean speed the steadier server gives the request the same expected time and a shorter tail; a
-# speculative server's requests each draw their own acceptance (+-12% in the simulator, ~6% sd of their
-# durations at 20 running), a baseline's do not. A recording (seed pair, 70 clients, 2 requests per client):
-# adaptive's models were right to 1% (20 on the speculative server at 75.3 tok/s per request, 50 on the
-# baseline at 75.2), and the level still ended 3-4% after `balanced`'s 19/51, with the speculative requests
-# that drew a low acceptance in both rounds; one request fewer there and they end with the baseline's.
+SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier ties go to the steadier backend
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -345,7 +299,7 @@ class Adaptive:
         self.last_sent[b.pool] = self.decisions
         return Decision(b, reason)
 
-    # ---- what it learned, for /router/state and the metrics
+    # ---- what it learned, for /router/state and the metrics (through state())
     def predicted(self, backends: tuple[BackendView, ...]) -> float:
         """Tok/s the models predict for these backends at their current loads."""
         return sum(self.params(b).throughput(b.load_estimate) for b in backends)
@@ -374,7 +328,8 @@ class Adaptive:
             if not members:
                 continue
             pools[pool] = describe(pool, pool) | {
-                "predicted_tok_s": round(self.predicted(members), 1)}
+                "predicted_tok_s": round(self.predicted(members), 1),
+                "accept_length": self.accept_length(members)}
         backends = [describe(b.url, b.pool) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),

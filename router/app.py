@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router import exchange, handlers, introspect, policy
+from router import exchange, exporter, handlers, introspect, policy
 from router.accept import Acceptor, listen_socket
 from router.adaptive import Adaptive
 from router.curves import fit_token_time
@@ -34,12 +34,11 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
     # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
     pools = Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
-                  policy=make_policy(settings), threshold=settings.threshold, metrics=metrics,
+                  policy=make_policy(settings), threshold=settings.threshold,
                   outlier_cfg=settings.outlier(),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
-    for b in pools.backends:
-        metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: limits.waiting[u])
+    exporter.bind(metrics, pools, limits)
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
                      api_key=settings.api_key.get_secret_value().encode() if settings.api_key else None,
                      resolver=resolver)
@@ -128,7 +127,6 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
     async def probe_new(b: Backend) -> None:
         # Its connection limit first: a newcomer is not routable before this probe passes.
         st.limits.add(b.url)
-        st.metrics.upstream_waiting.labels(b.pool, b.url).set_function(lambda u=b.url: st.limits.waiting[u])
         if st.health is not None and st.health.client is not None:
             await st.health.probe(b)
 

@@ -1,4 +1,5 @@
-"""Throughput-curve arithmetic shared by the policies and `bench calibrate`: interpolation, per-request and marginal speed."""
+"""Throughput-curve arithmetic shared by the policies, bench and the simulator: parsing, interpolation, per-request and
+marginal speed, the token-time fit."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,8 +8,15 @@ from collections.abc import Sequence
 CurvePoints = tuple[tuple[float, float], ...]
 
 
-def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Linear between points, from (0, 0), flat beyond the last point."""
+def interpolate(points: Sequence[tuple[float, float]], x: float, *, extend: bool = False) -> float:
+    """Linear between points, from (0, 0), flat beyond the last point. extend: no (0, 0); the end segments carry
+    on straight outside the points instead (needs two points)."""
+    if extend:
+        i = 1
+        while i < len(points) - 1 and x > points[i][0]:
+            i += 1
+        (x1, y1), (x2, y2) = points[i - 1], points[i]
+        return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
     if x <= 0:
         return 0.0
     x0, y0 = 0.0, 0.0
@@ -17,6 +25,21 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         x0, y0 = x1, y1
     return y0
+
+
+def parse_curve(text: str) -> CurvePoints:
+    """ "1:77.5,2:125.1,..." (the `*_curve` settings as env vars and flags write them) -> points; ValueError with
+    one line on a bad point. Only the syntax: router.settings checks the values."""
+    points = []
+    for part in text.split(","):
+        c, sep, tok = part.strip().partition(":")
+        try:
+            points.append((float(c), float(tok)))
+        except ValueError:
+            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)") from None
+        if not sep:
+            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)")
+    return tuple(points)
 
 
 def curve_throughput(points: Sequence[tuple[float, float]], c: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 
 from aiohttp import web
 
@@ -67,11 +68,31 @@ class ShuttingDown(RouterError):
     status, type, code = 503, "service_unavailable", "router_shutting_down"
 
 
+class Failure(StrEnum):
+    """How one upstream attempt failed: the one set of failure names. The exchange reports it as the attempt's
+    outcome (router.observe.Attempt), router.outlier judges it (LOCAL is ours, never the backend's), it labels
+    router_backend_ejections_total, and a health probe that failed to connect counts as REFUSED or LOCAL."""
+
+    REFUSED = "refused"
+    CONNECT_TIMEOUT = "connect_timeout"
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    DISCONNECTED = "disconnected"
+    LOCAL = "local"
+
+
+# A health probe's other outcomes (router_health_probes_total's result label, with Failure.REFUSED and LOCAL).
+PROBE_OK, PROBE_FAILED = "ok", "failed"
+
+
 class UpstreamError(RouterError):
-    """A backend failed at transport level; `kind` is a closed set used as a metric label."""
+    """A backend failed at transport level. `failure`: what the attempt's outcome was (Failure); `kind`: its
+    router_upstream_errors_total label, a closed set (for refusals and disconnects the older names `connect`
+    and `disconnect`, kept for dashboards)."""
 
     status, type, code = 502, "upstream_error", "bad_gateway"
     kind = "error"
+    failure = Failure.DISCONNECTED
     retryable = False
 
     def __init__(self, message: str, *, backend: str) -> None:
@@ -80,18 +101,19 @@ class UpstreamError(RouterError):
 
 
 class UpstreamConnectError(UpstreamError):
-    code, kind, retryable = "backend_unreachable", "connect", True
+    code, kind, failure, retryable = "backend_unreachable", "connect", Failure.REFUSED, True
 
 
 class UpstreamLocalError(UpstreamError):
     """The router itself could not open the connection (out of file descriptors or ports, DNS): not the
     backend's fault, so it never counts against the backend."""
 
-    status, type, code, kind, retryable = 503, "service_unavailable", "router_local_error", "local", True
+    status, type, code, kind, failure, retryable = (503, "service_unavailable", "router_local_error", "local",
+                                                     Failure.LOCAL, True)
 
 
 class UpstreamDisconnected(UpstreamError):
-    code, kind = "backend_disconnected", "disconnect"
+    code, kind, failure = "backend_disconnected", "disconnect", Failure.DISCONNECTED
 
 
 class UpstreamTimeout(UpstreamError):
@@ -99,7 +121,8 @@ class UpstreamTimeout(UpstreamError):
 
     def __init__(self, message: str, *, backend: str, kind: str) -> None:
         super().__init__(message, backend=backend)
-        self.kind = kind  # connect_timeout | first_byte_timeout | idle_timeout
+        self.failure = Failure(kind)  # CONNECT_TIMEOUT | FIRST_BYTE_TIMEOUT | IDLE_TIMEOUT
+        self.kind = self.failure.value
 
 
 def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:

@@ -10,40 +10,29 @@ from router import upstream
 from router.body import read_body, with_usage
 from router.errors import (
     BadRequest,
+    Failure,
     NoHealthyBackend,
     RouterError,
     ShuttingDown,
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamTimeout,
     error_response,
     sse_error_event,
 )
 from router.h1 import Response
-from router.observe import (
-    CONNECT_TIMEOUT,
-    DISCONNECTED,
-    FIRST_BYTE_TIMEOUT,
-    IDLE_TIMEOUT,
-    LOCAL,
-    OK,
-    REFUSED,
-    Attempt,
-    Observation,
-)
+from router.observe import OK, Attempt, Observation
 from router.policy import POOLS, RETRY
 from router.pools import Lease
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
-from router.watchdog import Watchdog
+from router.watchdog import FirstByteDeadline, Watchdog
 
 POOL_HEADER = "X-Router-Pool"
 BACKEND_HEADER = "X-Router-Backend"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RETRY_STATUSES = frozenset((502, 503))
-# Transport error kinds (router.errors) as attempt outcomes (router.observe).
-_ATTEMPT_KIND = {"connect": REFUSED, "connect_timeout": CONNECT_TIMEOUT, "first_byte_timeout": FIRST_BYTE_TIMEOUT,
-                 "idle_timeout": IDLE_TIMEOUT, "disconnect": DISCONNECTED, "local": LOCAL}
 # Status label for a client that left before the answer ended (nginx's convention).
 CLIENT_CLOSED = "499"
 
@@ -71,7 +60,7 @@ class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "cut", "late", "first", "cancelling", "delivered", "watchdog", "slot")
+                 "chunks", "cut", "first", "delivered", "watchdog", "slot")
 
     def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
         self.st = st
@@ -86,9 +75,7 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
-        self.late = False  # set when first_byte_timeout ran out before the first byte came
         self.first: bytes | None = None  # a stream's first chunk until stream() takes it
-        self.cancelling = 0  # the task's pending cancellations when the first-byte deadline was armed
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
         self.slot: str | None = None  # the backend whose connection slot this exchange holds
@@ -108,19 +95,6 @@ class Exchange:
         self.cut = False
         return self.task.uncancel() == 0
 
-    def first_byte_late(self) -> None:
-        """first_byte_timeout is up: stop waiting (one timer handle, cheaper than an asyncio.timeout context)."""
-        if self.task is not None and not self.task.done():
-            self.late = True
-            self.task.cancel()
-
-    def absorb_late(self) -> bool:
-        """True when the CancelledError being handled is first_byte_late()'s alone (as asyncio.timeout decides)."""
-        if not self.late or self.task is None:
-            return False
-        self.late = False
-        return self.task.uncancel() <= self.cancelling
-
     @property
     def pool(self) -> str:
         return self.lease.backend.pool
@@ -131,7 +105,15 @@ class Exchange:
     def upstream_failed(self, err: UpstreamError) -> None:
         m = self.st.metrics
         m.child(m.upstream_errors, self.lease.backend.url, err.kind).inc()
-        self.st.pools.report_attempt(self.lease.backend, Attempt(_ATTEMPT_KIND.get(err.kind, DISCONNECTED)))
+        self.st.pools.report_attempt(self.lease.backend, Attempt(err.failure))
+
+    def first_byte_timeout(self) -> UpstreamError:
+        """first_byte_timeout ran out (router.watchdog.FirstByteDeadline) on the backend tried last."""
+        url = self.lease.backend.url
+        err = UpstreamTimeout(f"backend {url} sent no first byte in time", backend=url,
+                              kind=Failure.FIRST_BYTE_TIMEOUT)
+        self.upstream_failed(err)
+        return err
 
     async def start(self, path: str, body: bytes, stream: bool
                     ) -> tuple[Response, bytes | None, web.Response | None]:
@@ -173,23 +155,18 @@ class Exchange:
                 attempts += 1
 
     async def take_slot(self) -> None:
-        """One of the backend's max_connections_per_backend places; a wait shows in the metrics."""
+        """One of the backend's max_connections_per_backend places (router.upstream.Limits); a wait shows in the
+        metrics."""
         url = self.lease.backend.url
-        gate = self.st.limits.slots[url]
-        if not gate.try_take():
-            t = time.monotonic()
-            self.st.limits.waiting[url] += 1
-            try:
-                await gate.take()
-            finally:
-                self.st.limits.waiting[url] -= 1
+        waited = await self.st.limits.take(url)
+        if waited is not None:
             m = self.st.metrics
-            m.child(m.upstream_wait, self.pool).observe(time.monotonic() - t)
+            m.child(m.upstream_wait, self.pool).observe(waited)
         self.slot = url
 
     def give_slot(self) -> None:
         if self.slot is not None:
-            self.st.limits.slots[self.slot].give()
+            self.st.limits.give(self.slot)
             self.slot = None
 
     def _retry(self, resp: Response | None = None) -> bool:
@@ -360,19 +337,8 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
     ex = Exchange(st, request, lease)
     try:
-        assert ex.task is not None
-        ex.cancelling = ex.task.cancelling()
-        deadline = asyncio.get_running_loop().call_later(st.settings.first_byte_timeout, ex.first_byte_late)
-        try:
+        with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):
             resp, first, out = await ex.start(path, body, stream)
-        except asyncio.CancelledError:
-            if not ex.absorb_late():
-                raise
-            err = upstream.map_error(TimeoutError(), ex.lease.backend.url, FIRST_BYTE, got_headers=False)
-            ex.upstream_failed(err)
-            raise err from None
-        finally:
-            deadline.cancel()
         body = None  # sent: an open stream holds only what it still has to forward
         if first is not None:
             ex.first, first = first, None

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from router import upstream
+from router.errors import PROBE_FAILED, PROBE_OK, Failure
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
@@ -37,20 +38,20 @@ class HealthChecker:
             if upstream.is_local(exc):
                 # Our own trouble (file descriptors, DNS) says nothing about the backend: no verdict.
                 log.warning("health probe of %s not sent: %s", b.url, exc)
-                self.metrics.health_probes.labels(b.url, "local").inc()
+                self.metrics.health_probes.labels(b.url, Failure.LOCAL).inc()
                 return
             # Refused counts like any failed probe: one refusal (a restart) must not take it out alone.
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "refused").inc()
+            self.metrics.health_probes.labels(b.url, Failure.REFUSED).inc()
         except upstream.TRANSPORT_ERRORS:
             b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_FAILED).inc()
         else:
             if ok:
                 b.probe_ok(s.health_success_threshold)
             else:
                 b.probe_failed(s.health_failure_threshold)
-            self.metrics.health_probes.labels(b.url, "ok" if ok else "failed").inc()
+            self.metrics.health_probes.labels(b.url, PROBE_OK if ok else PROBE_FAILED).inc()
         if b.healthy != was:
             log.log(logging.INFO if b.healthy else logging.WARNING, "backend %s (%s) is now %s", b.url, b.pool,
                     "up" if b.healthy else "down")

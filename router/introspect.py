@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.adaptive import Adaptive
 from router.state import STATE
 
 
@@ -15,6 +14,7 @@ async def state_handler(request: web.Request) -> web.Response:
                  "inflight": b.inflight,
                  "reported_load": b.reported, "load": b.load_estimate} for b in pools.backends]
     body: dict = {"policy": policy.name, "backends": backends}
-    if isinstance(policy, Adaptive):
-        body["model"] = policy.state(pools.view)
+    model = policy.state(pools.view)
+    if model is not None:
+        body["model"] = model
     return web.json_response(body)

@@ -1,15 +1,12 @@
 """Every router_* metric and its labels, declared on a registry passed in; label values come from config only."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from router.policy import POOLS
-
-if TYPE_CHECKING:
-    from router.adaptive import Adaptive
-    from router.policy import View
 
 # Latency buckets span a fast proxy hop to a long generation.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -68,24 +65,8 @@ class Metrics:
         self.upstream_waiting = Gauge("router_upstream_waiting_requests",
                                       "Requests waiting now for a place under max_connections_per_backend",
                                       ["pool", "backend"], registry=registry)
-        # The adaptive policy's learned model, per pool (read from the model at scrape time).
-        self.adaptive_alpha = Gauge("router_adaptive_alpha_seconds",
-                                    "Fitted seconds per token of a request running alone", ["pool"],
-                                    registry=registry)
-        self.adaptive_beta = Gauge("router_adaptive_beta_seconds",
-                                   "Fitted seconds per token added by each other running request", ["pool"],
-                                   registry=registry)
-        self.adaptive_predicted = Gauge("router_adaptive_predicted_tokens_per_second",
-                                        "Output tok/s the learned model predicts for the pool at its current load",
-                                        ["pool"], registry=registry)
-        self.adaptive_error = Gauge("router_adaptive_model_error_ratio",
-                                    "Mean relative error of the model's prediction against each new measurement",
-                                    ["pool"], registry=registry)
-        self.adaptive_samples = Gauge("router_adaptive_samples", "Measurements folded into the pool's model",
-                                      ["pool"], registry=registry)
-        self.adaptive_accept = Gauge("router_adaptive_accept_length",
-                                     "Mean accept length the pool's backends last reported on /v1/loads (0: none)",
-                                     ["pool"], registry=registry)
+        # A learning policy's model per pool, read from Policy.state() once per scrape.
+        self.policy_gauges = PolicyGauges(registry)
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
         self.ttft_by_pool = {p: self.ttft.labels(p) for p in POOLS}
         self.itl_by_pool = {p: self.itl.labels(p) for p in POOLS}
@@ -99,15 +80,39 @@ class Metrics:
             got = self._children[key] = metric.labels(*values)
         return got
 
-    def bind_adaptive(self, policy: Adaptive, view: View) -> None:
-        for pool in POOLS:
-            members = view.pool(pool)
-            if not members:
-                continue
-            model = policy.pool_model(pool)
-            self.adaptive_alpha.labels(pool).set_function(lambda m=model: m.params().alpha)
-            self.adaptive_beta.labels(pool).set_function(lambda m=model: m.params().beta)
-            self.adaptive_predicted.labels(pool).set_function(lambda ms=members: policy.predicted(ms))
-            self.adaptive_error.labels(pool).set_function(lambda m=model: m.err)
-            self.adaptive_samples.labels(pool).set_function(lambda m=model: m.samples)
-            self.adaptive_accept.labels(pool).set_function(lambda ms=members: policy.accept_length(ms))
+
+# The gauges a learning policy exports per pool: name, help, and the key of its state()["pools"][pool] they read.
+POLICY_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("router_adaptive_alpha_seconds", "Fitted seconds per token of a request running alone", "alpha_s"),
+    ("router_adaptive_beta_seconds", "Fitted seconds per token added by each other running request", "beta_s"),
+    ("router_adaptive_predicted_tokens_per_second",
+     "Output tok/s the learned model predicts for the pool at its current load", "predicted_tok_s"),
+    ("router_adaptive_model_error_ratio",
+     "Mean relative error of the model's prediction against each new measurement", "error"),
+    ("router_adaptive_samples", "Measurements folded into the pool's model", "samples"),
+    ("router_adaptive_accept_length",
+     "Mean accept length the pool's backends last reported on /v1/loads (0: none)", "accept_length"),
+)
+
+
+class PolicyGauges:
+    """The POLICY_GAUGES, collected at scrape time from one call of `read` (bound by router.exporter to the
+    policy's state()): a pool without members, or a policy that learns nothing, has no samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.read: Callable[[], dict | None] = lambda: None
+        registry.register(self)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc, _ in POLICY_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["pool"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self.read() or {}
+        pools = state.get("pools") or {}
+        for name, doc, key in POLICY_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["pool"])
+            for pool, figures in pools.items():
+                if key in figures:
+                    family.add_metric([pool], float(figures[key]))
+            yield family

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.errors import Failure
+
 # Outcome kinds of one upstream attempt, a closed set (they may become metric label values).
-# "ok": response headers came back with a status; the rest name how the attempt failed.
-OK, REFUSED, CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, DISCONNECTED, LOCAL = (
-    "ok", "refused", "connect_timeout", "first_byte_timeout", "idle_timeout", "disconnected", "local")
-ATTEMPT_KINDS: tuple[str, ...] = (OK, REFUSED, CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, DISCONNECTED,
-                                  LOCAL)
+# "ok": response headers came back with a status; the rest name how the attempt failed (router.errors.Failure).
+OK = "ok"
+REFUSED, CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, DISCONNECTED, LOCAL = (
+    Failure.REFUSED, Failure.CONNECT_TIMEOUT, Failure.FIRST_BYTE_TIMEOUT, Failure.IDLE_TIMEOUT,
+    Failure.DISCONNECTED, Failure.LOCAL)
+ATTEMPT_KINDS: tuple[str, ...] = (OK, *Failure)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from router.errors import Failure
+from router.observe import OK
+
 # Phases are a closed set (metric label values). A backend that fails its health probes is "down" elsewhere;
 # this machine only knows whether the requests it was sent are failing.
 ACTIVE, EJECTED, TRIAL = "active", "ejected", "trial"
-PHASES: tuple[str, ...] = (ACTIVE, EJECTED, TRIAL)
 
 # What one attempt's outcome means for its backend.
 SUCCESS, FAILURE, NEUTRAL = "success", "failure", "neutral"
@@ -37,11 +39,11 @@ class OutlierState:
 def classify(kind: str, status: int | None) -> str:
     """A 5xx or a transport failure of the backend's own is a failure. A 4xx is the request's fault and a
     `local` error (out of file descriptors, DNS) is ours: neither says anything about the backend."""
-    if kind == "ok":
+    if kind == OK:
         if status is None or status >= 500:
             return FAILURE
         return NEUTRAL if status >= 400 else SUCCESS
-    return NEUTRAL if kind == "local" else FAILURE
+    return NEUTRAL if kind == Failure.LOCAL else FAILURE
 
 
 def phase_at(s: OutlierState, now: float) -> str:

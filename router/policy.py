@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from router.curves import CurvePoints, request_speed
+from router.observe import LoadFigures, Observation
 
 SPECULATIVE = "speculative"
 BASELINE = "baseline"
@@ -23,7 +24,6 @@ RETRY = "retry"
 FASTER = "faster_pool"
 GAIN = "marginal_gain"
 EXPLORE = "explore"
-REASONS: tuple[str, ...] = (BELOW, ABOVE, FAILOVER, PINNED, LEAST, ROUND_ROBIN, RETRY, FASTER, GAIN, EXPLORE)
 
 
 class BackendView(Protocol):
@@ -90,11 +90,32 @@ class Decision:
 
 class Policy(Protocol):
     """One routing policy. decide() is called with no await around it, so counts are exact; a policy may keep
-    state between calls (a mode, a cursor, a learned model) but does no I/O."""
+    state between calls (a mode, a cursor, a learned model) but does no I/O. What it learns comes in through
+    observe() (each finished exchange) and observe_loads() (each /v1/loads answer); state() is what it shows of
+    itself (/router/state, and the router_adaptive_* gauges read its "pools" section), None when nothing."""
 
     name: str
 
     def decide(self, view: View, rng: random.Random) -> Decision | None: ...
+
+    def observe(self, obs: Observation) -> None: ...
+
+    def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None: ...
+
+    def state(self, view: View) -> dict | None: ...
+
+
+class Fixed:
+    """The learning hooks of a policy that learns nothing: observations are dropped, there is no state to show."""
+
+    def observe(self, obs: Observation) -> None:
+        return None
+
+    def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
+        return None
+
+    def state(self, view: View) -> dict | None:
+        return None
 
 
 def other(pool: str) -> str:
@@ -139,7 +160,7 @@ def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -
     return policy.decide(view, rng)
 
 
-class Spillover:
+class Spillover(Fixed):
     """Speculate while the speculative pool holds fewer than `threshold` per healthy instance, else baseline."""
 
     name = "spillover"
@@ -157,7 +178,7 @@ class Spillover:
         return in_pool(view, BASELINE, ABOVE, rng)
 
 
-class Global:
+class Global(Fixed):
     """One mode for the whole deployment: speculate while the total in flight is below `threshold`."""
 
     name = "global"
@@ -179,7 +200,7 @@ class Global:
         return in_pool(view, BASELINE, ABOVE, rng)
 
 
-class LeastInflight:
+class LeastInflight(Fixed):
     """The least loaded healthy backend of either pool."""
 
     name = "least-inflight"
@@ -189,7 +210,7 @@ class LeastInflight:
         return Decision(least(cands, rng), LEAST) if cands else None
 
 
-class RoundRobin:
+class RoundRobin(Fixed):
     """Every healthy backend in turn."""
 
     name = "round-robin"
@@ -206,7 +227,7 @@ class RoundRobin:
         return Decision(b, ROUND_ROBIN)
 
 
-class Balanced:
+class Balanced(Fixed):
     """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative),
     on two measured curves of ONE instance each. Greedily equalising per-request speed follows the best
     split as load grows, which no fixed threshold can."""
@@ -227,10 +248,9 @@ class Balanced:
 
 
 def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
-          curves: tuple[CurvePoints, CurvePoints] | None = None,
-          adaptive: Callable[[], Policy] | None = None) -> Policy:
-    """The policy object for a settings name. `adaptive` builds the adaptive policy (router.adaptive),
-    which takes its own settings."""
+          curves: tuple[CurvePoints, CurvePoints] | None = None) -> Policy:
+    """The policy object for a settings name; "adaptive" (router.adaptive, with its own settings) is built by
+    router.app.make_policy."""
     if name == "spillover":
         return Spillover(threshold)
     if name == "global":
@@ -243,8 +263,6 @@ def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
         if curves is None:
             raise ValueError("the balanced policy needs both throughput curves")
         return Balanced(curves)
-    if name == "adaptive" and adaptive is not None:
-        return adaptive()
     raise ValueError(f"unknown policy {name!r}")
 
 

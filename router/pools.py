@@ -7,12 +7,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from router import outlier
-from router.adaptive import Adaptive
 from router.curves import CurvePoints
-from router.metrics import Metrics
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
-from router.policy import POOLS, BackendLoad, Decision, Policy, View, build, decide, retry_target
+from router.policy import BackendLoad, Decision, Policy, View, build, decide, retry_target
 
 log = logging.getLogger("router.pools")
 
@@ -20,12 +18,25 @@ log = logging.getLogger("router.pools")
 # the others are router.outlier's phases of a backend the probes call healthy.
 UP, DOWN = "up", "down"
 STATES: tuple[str, ...] = (UP, DOWN, outlier.EJECTED, outlier.TRIAL)
-_IN = (UP, outlier.TRIAL)  # router_backend_up reads 1 in these
+IN_ROTATION = (UP, outlier.TRIAL)  # router_backend_up reads 1 in these
 # Why a backend was ejected (a label): an HTTP 5xx, or the transport failure kind of the last attempt.
 EJECT_REASONS: tuple[str, ...] = ("5xx", *(k for k in ATTEMPT_KINDS if k not in (OK, LOCAL)))
 
 
 clock = time.monotonic  # the in-flight integral's clock (a test sets its own)
+
+
+class PoolEvents:
+    """What the pools tell an observer about their members (router.exporter binds the metrics here); no-ops."""
+
+    def joined(self, b: Backend) -> None:
+        """A backend added at run time (the configured ones are there at construction)."""
+
+    def left(self, b: Backend) -> None:
+        """A backend gone for good (removed, its last lease released)."""
+
+    def ejected(self, b: Backend, reason: str) -> None:
+        """Passive ejection; `reason` is one of EJECT_REASONS."""
 
 
 class Backend:
@@ -171,7 +182,7 @@ class Pools:
 
     def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str | Policy,
                  threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
-                 metrics: Metrics | None = None, rng: random.Random | None = None,
+                 rng: random.Random | None = None,
                  curves: tuple[CurvePoints, CurvePoints] | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
         keys = keys or {}
@@ -189,31 +200,7 @@ class Pools:
                                if isinstance(policy, str) else policy)
         self.threshold = threshold
         self.rng = rng or random.Random()
-        self.metrics = metrics
-        if metrics is not None:
-            self._bind_metrics(metrics)
-
-    def _bind_metrics(self, metrics: Metrics) -> None:
-        # Gauges read the live values at scrape time, so they can never drift from the counts.
-        for b in self.backends:
-            self._bind_backend(metrics, b)
-        metrics.threshold.set(self.threshold)
-        for pool in POOLS:
-            metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in self.backends))
-            metrics.duration.labels(pool)
-            metrics.disconnects.labels(pool)
-        if isinstance(self.policy, Adaptive):
-            metrics.bind_adaptive(self.policy, self.view)
-
-    @staticmethod
-    def _bind_backend(metrics: Metrics, b: Backend) -> None:
-        metrics.inflight.labels(b.pool, b.url).set_function(lambda b=b: b.inflight)
-        metrics.backend_up.labels(b.pool, b.url).set_function(lambda b=b: 1.0 if b.state() in _IN else 0.0)
-        for state in STATES:
-            metrics.backend_state.labels(b.pool, b.url, state).set_function(
-                lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
-        for reason in EJECT_REASONS:
-            metrics.ejections.labels(b.pool, b.url, reason)
+        self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -263,8 +250,7 @@ class Pools:
         what = "none" if attempt is None else f"HTTP {attempt.status}" if attempt.kind == OK else attempt.kind
         if new.phase == outlier.EJECTED:
             reason = "5xx" if attempt is None or attempt.kind == OK else attempt.kind
-            if self.metrics is not None:
-                self.metrics.ejections.labels(b.pool, b.url, reason).inc()
+            self.events.ejected(b, reason)
             after = (f"{self.outlier_cfg.consecutive_errors} consecutive failures" if old.phase == outlier.ACTIVE
                      else "a failed trial request")
             log.warning("backend %s (%s) ejected for %.3g s (ejection %d in a row) after %s, the last: %s",
@@ -302,13 +288,11 @@ class Pools:
         # reported as a failed attempt already or is not the backend's doing.
         if obs.ok:
             self._outcome(backend, outlier.SUCCESS, None)
-        if isinstance(self.policy, Adaptive):
-            self.policy.observe(obs)
+        self.policy.observe(obs)
 
     def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
         """Called with each /v1/loads answer of a backend (load_signal backend)."""
-        if isinstance(self.policy, Adaptive):
-            self.policy.observe_loads(backend.url, backend.pool, figs)
+        self.policy.observe_loads(backend.url, backend.pool, figs)
 
     # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
     # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.
@@ -325,8 +309,7 @@ class Pools:
                 b.on_drained = None
                 self._forget(b)
             b = Backend(url, pool, self._keys.get(pool), self.outlier_cfg)
-            if self.metrics is not None:
-                self._bind_backend(self.metrics, b)
+            self.events.joined(b)
         self._set_members([*self.backends, b])
         return b
 
@@ -347,8 +330,6 @@ class Pools:
         self.backends = backends
         self.by_url = {b.url: b for b in backends}
         self.view = View.of(backends)
-        if self.metrics is not None and isinstance(self.policy, Adaptive):
-            self.metrics.bind_adaptive(self.policy, self.view)  # its gauges read the pools' members
 
     def _drained(self, b: Backend) -> None:
         if self.draining.get(b.url) is b:
@@ -357,17 +338,4 @@ class Pools:
             self._forget(b)
 
     def _forget(self, b: Backend) -> None:
-        # Gauges of a gone instance would report its last value for ever; counters keep their history.
-        m = self.metrics
-        if m is None:
-            return
-        for gauge in (m.inflight, m.backend_up, m.reported_load, m.upstream_waiting):
-            try:
-                gauge.remove(b.pool, b.url)
-            except KeyError:
-                pass
-        for state in STATES:
-            try:
-                m.backend_state.remove(b.pool, b.url, state)
-            except KeyError:
-                pass
+        self.events.left(b)

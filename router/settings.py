@@ -11,10 +11,10 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
+from router.curves import parse_curve
 from router.outlier import OutlierConfig
 
 PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive"]
-POLICIES: tuple[str, ...] = ("spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive")
 ENV_PREFIX = "ROUTER_"
 
 
@@ -68,16 +68,7 @@ def _split_curve(value: Any) -> Any:
             return json.loads(text)
         except ValueError:
             raise ValueError("curve is not valid JSON") from None
-    points = []
-    for part in text.split(","):
-        c, sep, tok = part.strip().partition(":")
-        try:
-            points.append((float(c), float(tok)))
-        except ValueError:
-            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)") from None
-        if not sep:
-            raise ValueError(f"bad curve point {part.strip()!r} (expected CONCURRENCY:TOK_S)")
-    return points
+    return list(parse_curve(text))
 
 
 def _check_curve(points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[float, float], ...] | None:

@@ -9,30 +9,18 @@ from dataclasses import dataclass
 NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
 MIN_ALPHA = 1e-5
 N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its scale
-# Samples kept per load band: a band the traffic has left keeps its samples (faded by age, so a drift is
-# followed where the traffic is) until traffic comes back. With one window for all, 256 samples at 250 clients
-# pushed every light-load sample out, the slope was no longer identified, and the next quiet level was routed
-# on a neutral guess of it.
-BAND_WINDOW = 128
-# Once warm, refit every REFIT_EVERY samples, or every held/REFIT_SHARE when more are held: a fit costs ~6 us
-# per sample held (5.8 ms at 896), and the event loop must not pay that per request (<= ~0.2 ms amortised).
+# The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
+BAND_WINDOW = 128  # samples kept per load band: a band the traffic left keeps its own (faded by age)
+# Refit every REFIT_EVERY samples, or every held/REFIT_SHARE when more are held (a fit costs ~6 us per sample).
 REFIT_EVERY = 4
 REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
-# Shape: the straight line a + b*n is the shape only where nothing was measured. Per load band (band()) the fit
-# also keeps the line's mean relative error on the samples it holds there and predicts with it, shrunk by
-# BAND_SHRINK pseudo-samples: real servers (and busy test machines) are not straight lines,
-# and a line fitted where most traffic runs misjudges the speed alone and near saturation.
+# Shape: per load band the line's mean relative error there, shrunk by BAND_SHRINK pseudo-samples scaled by
+# (noise / SHAPE_NOISE)^2, at least MIN_SHRINK of it: real servers are not straight lines.
 BAND_SHRINK = 5.0
-# ... scaled by how noisy the samples are, (s / SHAPE_NOISE)^2 (at least MIN_SHRINK of it): a band's mean over
-# a few quiet samples is a measurement, not a guess. A TP8 baseline's requests (2% scatter) alone were 24% below
-# the line, and six of them shrunk by 5 (and clipped at 2.5 robust deviations around the line, 5%) left the
-# model 28% slow alone: one client went to the speculative server, 12% slower (0.88x).
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
-# A band's own level (its median deviation from the line) centres the clipping once it has this many samples;
-# before, the clipping is around the line, so one odd request cannot bend a band.
-MIN_BAND_LEVEL = 3
+MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
 
 
 def band(n: float) -> int:
@@ -94,7 +82,7 @@ class SpeedModel:
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
     __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
-                 "last_error", "_since_fit", "shape", "counts", "spread")
+                 "_since_fit", "shape", "counts", "spread")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
                  prior_weight: float = 20.0) -> None:
@@ -105,7 +93,6 @@ class SpeedModel:
         self.bands: dict[int, deque[tuple[float, float, int]]] = {}  # load band -> its latest (n, y, sample no.)
         self.samples = 0
         self.err = 0.0  # EWMA of |relative error| of the prediction made before each sample
-        self.last_error = 0.0
         self.scale = 0.0  # robust standard deviation of log(measured / predicted) at the last fit
         self.max_running: int | None = None
         self._since_fit = 0
@@ -134,7 +121,6 @@ class SpeedModel:
         if not (n >= 1 and y > 0 and math.isfinite(y) and math.isfinite(n)):
             return 0.0
         rel = abs(self.predict(n) - y) / y
-        self.last_error = rel
         gain = 0.05 if self.samples >= 20 else 1.0 / (self.samples + 1)
         self.err += gain * (min(rel, 1.0) - self.err)
         held = self.bands.get(band(n))

@@ -74,10 +74,6 @@ def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool
     return UpstreamError(f"backend {backend} failed: {type(exc).__name__}", backend=backend)
 
 
-def is_transport_error(exc: BaseException) -> bool:
-    return isinstance(exc, TRANSPORT_ERRORS)
-
-
 class Endpoint:
     """One backend URL: where to connect, what to put in the request line and Host, its idle connections."""
 
@@ -292,8 +288,9 @@ class Gate:
 
 
 class Limits:
-    """At most `per_backend` requests open to each backend at once; the others wait here, counted, instead of
-    unseen inside the client's connection pool."""
+    """The per-backend connection limit: at most `per_backend` requests open to each backend at once; the others
+    wait here, counted, instead of unseen inside the client's connection pool. (The total over all backends,
+    max_connections, is the Client's own gate: a request takes its backend's place here first, then that.)"""
 
     def __init__(self, urls: list[str], per_backend: int) -> None:
         self.slots = {u: Gate(per_backend) for u in urls}
@@ -305,3 +302,19 @@ class Limits:
         draining backend still release into them."""
         self.slots.setdefault(url, Gate(self.per_backend))
         self.waiting.setdefault(url, 0)
+
+    async def take(self, url: str) -> float | None:
+        """One of `url`'s places; returns the seconds waited for it (None when one was free)."""
+        gate = self.slots[url]
+        if gate.try_take():
+            return None
+        t = time.monotonic()
+        self.waiting[url] += 1
+        try:
+            await gate.take()
+        finally:
+            self.waiting[url] -= 1
+        return time.monotonic() - t
+
+    def give(self, url: str) -> None:
+        self.slots[url].give()

@@ -1,10 +1,46 @@
-"""One timer per streamed exchange for its two deadlines: the backend's idle gap and the client's write stall."""
+"""An exchange's deadlines after the connect (router.upstream bounds that): first byte, then one timer per stream
+for the backend's idle gap and the client's write stall."""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
+from router.errors import UpstreamError
 from router.h1 import Response
+
+
+class FirstByteDeadline:
+    """first_byte_timeout over a block that may wait for a place, connect, retry and read: when it runs out, the
+    block's await is cancelled and the block raises `expired()`'s error instead. One timer handle (cheaper than an
+    asyncio.timeout context); a cancellation from elsewhere (a client leaving, the drain) passes through, as
+    asyncio.timeout decides it."""
+
+    __slots__ = ("_task", "_cancelling", "_handle", "_late", "_expired")
+
+    def __init__(self, timeout: float, expired: Callable[[], UpstreamError]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()  # cancellations already pending when it was armed
+        self._late = False
+        self._expired = expired
+        self._handle = asyncio.get_running_loop().call_later(timeout, self._fire)
+
+    def _fire(self) -> None:
+        if not self._task.done():
+            self._late = True
+            self._task.cancel()
+
+    def __enter__(self) -> FirstByteDeadline:
+        return self
+
+    def __exit__(self, et, exc, tb) -> None:
+        self._handle.cancel()
+        if et is asyncio.CancelledError and self._late:
+            self._late = False
+            if self._task.uncancel() <= self._cancelling:
+                raise self._expired() from None
 
 
 class Watchdog:
@@ -17,7 +53,7 @@ class Watchdog:
     """
 
     __slots__ = ("_loop", "_idle", "_write_timeout", "_tick", "_transport", "_writer", "_resp", "_handle",
-                 "last_chunk", "_sent", "_sent_at", "stalled")
+                 "last_chunk", "_sent", "_sent_at")
 
     def __init__(self, idle: float, write_timeout: float, transport: asyncio.Transport,
                  writer, resp: Response) -> None:
@@ -32,7 +68,6 @@ class Watchdog:
         self.last_chunk = now
         self._sent = -1
         self._sent_at = now
-        self.stalled = False
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(min(idle, self._tick), self._check)
 
     def upstream_done(self) -> None:
@@ -61,7 +96,6 @@ class Watchdog:
             if sent != self._sent:
                 self._sent, self._sent_at = sent, now
             elif now - self._sent_at >= self._write_timeout:
-                self.stalled = True
                 self._transport.abort()
                 return
         else:

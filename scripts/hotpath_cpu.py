@@ -14,14 +14,17 @@ import json
 import psutil
 
 from bench import procs
-from bench.overhead import CHAT, _open_all, request_bytes, wait_routes
+from bench.cli import wait_serving
+from bench.rawhttp import open_all, request_bytes
+
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 PATH = "/v1/chat/completions"
 
 
 async def requests(url: str, body: dict, n: int, c: int) -> int:
     raw = request_bytes(url, PATH, json.dumps(body).encode())
-    conns = await _open_all(url, c)
+    conns = await open_all(url, c)
 
     async def worker(conn) -> None:
         for _ in range(n // c):
@@ -42,7 +45,7 @@ def cpu(p: psutil.Process) -> float:
 async def main(ns: argparse.Namespace, url: str, pid: int) -> dict:
     p = psutil.Process(pid)
     out = {}
-    await wait_routes(url, None)
+    await wait_serving(url)
     await requests(url, CHAT, 200, 1)  # warm-up
     for c in (1, 16):
         t0 = cpu(p)

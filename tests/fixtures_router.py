@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from dataclasses import dataclass
 
 import aiohttp
@@ -13,20 +14,31 @@ from router.app import build_app, start
 from router.settings import Settings, load_settings
 from router.state import STATE, RouterState
 
-__all__ = ["CHAT_BODY", "RouterHandle", "poll", "router_factory", "set_faults", "sim_stats", "wait_stat"]
+__all__ = ["CHAT_BODY", "RouterHandle", "poll", "router_factory", "set_faults", "sim_stats", "wait_stat", "wait_stats"]
 
 # Fast health probing so tests see state changes within a fraction of a second.
 TEST_DEFAULTS = {"health_interval": 0.2, "health_timeout": 1.0, "health_failure_threshold": 2,
                  "health_success_threshold": 1, "drain_timeout": 2.0}
 
 
+def _describe(cond) -> str:
+    try:
+        return inspect.getsource(cond).strip()
+    except (OSError, TypeError):
+        return repr(cond)
+
+
 async def poll(cond, within: float = 5.0, result=None, every: float = 0.02):
-    """Re-check `cond()` until true or `within` seconds passed; returns result() (or the last cond())."""
+    """Re-check `cond()` until true; returns result() then (else True). When `within` seconds pass first, the test
+    fails here, with the condition and the last result(): a wait that runs out is never a silent pass."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    while not cond() and loop.time() < deadline:  # noqa: ASYNC110 - the state lives in another task
+    while not cond():  # noqa: ASYNC110 - the state lives in another task
+        if loop.time() >= deadline:
+            last = f"; last result: {result()!r}" if result is not None else ""
+            raise AssertionError(f"not true within {within:g}s: {_describe(cond)}{last}")
         await asyncio.sleep(every)
-    return result() if result is not None else cond()
+    return result() if result is not None else True
 
 
 @dataclass
@@ -106,12 +118,19 @@ async def set_faults(url: str, **faults) -> None:
         assert r.status == 200, await r.text()
 
 
-async def wait_stat(url: str, key: str, value: int, within: float = 5.0) -> int:
-    """Poll the simulator's /_sim/stats until stats[key] >= value (bounded); returns the last value."""
+async def wait_stats(url: str, cond, within: float = 5.0) -> dict:
+    """Poll the simulator's /_sim/stats until cond(stats); returns those stats. Fails the test after `within`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:
-        got = (await sim_stats(url))[key]
-        if got >= value or loop.time() > deadline:
-            return got
+        stats = await sim_stats(url)
+        if cond(stats):
+            return stats
+        if loop.time() > deadline:
+            raise AssertionError(f"{url}/_sim/stats: not true within {within:g}s: {_describe(cond)}; last: {stats}")
         await asyncio.sleep(0.05)
+
+
+async def wait_stat(url: str, key: str, value: int, within: float = 5.0) -> int:
+    """Poll the simulator's /_sim/stats until stats[key] >= value; returns it. Fails the test after `within`."""
+    return (await wait_stats(url, lambda stats: stats[key] >= value, within))[key]

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 import yaml
 
-from bench import calibrate, compare
-from bench.calibrate import Curve
+from bench import calibration, compare
+from bench.calibration import Curve
 from tests.fixtures_router import poll
 
 
@@ -37,10 +37,10 @@ def test_curve_interpolation():
 
 def test_spillover_prediction_and_recommendation():
     # threshold 1 at c=2: one request on each pool -> S(1) + B(1) = 18
-    assert calibrate.spillover(SPEC, BASE, 1, 2)[0] == pytest.approx(18.0)
-    assert calibrate.spillover(SPEC, BASE, 0, 2)[0] == pytest.approx(16.0)
-    assert calibrate.spillover(SPEC, BASE, 5, 1)[0] == pytest.approx(10.0)
-    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    assert calibration.spillover(SPEC, BASE, 1, 2)[0] == pytest.approx(18.0)
+    assert calibration.spillover(SPEC, BASE, 0, 2)[0] == pytest.approx(16.0)
+    assert calibration.spillover(SPEC, BASE, 5, 1)[0] == pytest.approx(10.0)
+    rec = calibration.recommend(SPEC, BASE, [1, 2])
     # T=0: 8/10, 16/18; T=1: 10/10, 18/18; T=2: 10/10, 15/18
     assert rec.threshold == 1
     assert rec.scores[1] == pytest.approx(1.0)
@@ -52,7 +52,7 @@ def test_spillover_prediction_and_recommendation():
 
 def test_round_robin_balances_completion_rates():
     # both pools complete at the same rate: 10*cs = 8 + 8*(1-cs) -> cs = 8/9
-    tput, _ = calibrate.round_robin(SPEC, BASE, 2)
+    tput, _ = calibration.round_robin(SPEC, BASE, 2)
     assert tput == pytest.approx(2 * 80 / 9, rel=1e-6)
 
 
@@ -60,22 +60,22 @@ def test_mixed_median_falls_in_the_larger_group():
     fast = _curve({1: 100.0, 2: 100.0})  # latency 1000 ms at c=1, 2000 ms at c=2
     slow = _curve({1: 10.0, 2: 20.0})  # latency 10000 ms at c=1 and c=2
     # 2 on fast complete 1/s, 1 on slow completes 0.1/s: the median request is a fast one
-    assert calibrate._mixed_median(fast, 2, slow, 1) == pytest.approx(2000.0)
+    assert calibration._mixed_median(fast, 2, slow, 1) == pytest.approx(2000.0)
     # even split of completions: halfway
-    assert calibrate._mixed_median(fast, 1, fast, 1) == pytest.approx(1000.0)
+    assert calibration._mixed_median(fast, 1, fast, 1) == pytest.approx(1000.0)
 
 
 def test_diagnose_flags_speculative_slower_at_one():
-    notes = calibrate.diagnose(_curve({1: 77.5, 10: 239.6}), _curve({1: 92.6, 10: 457.2}))
+    notes = calibration.diagnose(_curve({1: 77.5, 10: 239.6}), _curve({1: 92.6, 10: 457.2}))
     assert "SLOWER" in notes[0] and "77.5 vs 92.6" in notes[0] and "0.84x" in notes[0]
-    notes = calibrate.diagnose(_curve({1: 120.0, 10: 380.0}), _curve({1: 92.6, 10: 457.2}))
+    notes = calibration.diagnose(_curve({1: 120.0, 10: 380.0}), _curve({1: 92.6, 10: 457.2}))
     assert "faster at concurrency 1" in notes[0] and "From concurrency 10" in notes[1]
 
 
 def test_recommend_latency_objective_by_hand():
     spec = _curve({1: 20.0, 2: 22.0})  # median E2E 5000 ms alone, 9090.9 ms with two (100 tokens each)
     base = _curve({1: 10.0, 2: 20.0})  # 10000 ms at 1 and at 2
-    rec = calibrate.recommend(spec, base, [1, 2], objective="latency")
+    rec = calibration.recommend(spec, base, [1, 2], objective="latency")
     # T=0: all baseline, 10000 / 10000 ms. T=1: c=1 -> 5000; c=2 -> one on each, the speculative one
     # completes twice as often, so the median request is a speculative one: 5000. T=2: 5000, 9090.9.
     # Best per level 5000 and 5000: scores T=0 (0.5 + 0.5)/2, T=1 1.0, T=2 (1 + 5000/9090.9)/2.
@@ -102,7 +102,7 @@ def test_winners_and_verdict():
     assert win[0] == {"concurrency": 1, "throughput_winner": "spillover", "latency_winner": "all-baseline"}
     # round-robin completed nothing at c=2, so it cannot win there
     assert win[1]["throughput_winner"] == "spillover" and win[1]["latency_winner"] == "spillover"
-    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    rec = calibration.recommend(SPEC, BASE, [1, 2])
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     assert rows[0]["status"] == "above" and rows[0]["best_other"] == "all-speculative"
     assert rows[1]["best_other"] == "round-robin" and rows[1]["status"] == "within noise"
@@ -114,10 +114,10 @@ def test_winners_and_verdict():
 
 def test_several_instances_share_load_evenly():
     # 2 speculative instances at threshold 1 each: c=2 puts one request on each -> 2 * S(1) = 20
-    assert calibrate.spillover(calibrate.Fleet(SPEC, 2), calibrate.Fleet(BASE, 1), 1, 2, n_spec=2)[0] \
+    assert calibration.spillover(calibration.Fleet(SPEC, 2), calibration.Fleet(BASE, 1), 1, 2, n_spec=2)[0] \
         == pytest.approx(20.0)
-    assert calibrate.Fleet(BASE, 2).throughput(2) == pytest.approx(16.0)  # 2 x B(1)
-    rec = calibrate.recommend(SPEC, BASE, [2, 4], n_spec=2, n_base=2)
+    assert calibration.Fleet(BASE, 2).throughput(2) == pytest.approx(16.0)  # 2 x B(1)
+    rec = calibration.recommend(SPEC, BASE, [2, 4], n_spec=2, n_base=2)
     # c=4 with T=1 per instance: 2 x S(1) + 2 x B(1) = 36, the best split
     assert rec.threshold == 1 and rec.expected[4]["spillover"] == pytest.approx(36.0)
 
@@ -127,14 +127,14 @@ def test_near_tie_broken_by_worst_level_against_alternatives():
     spec = _curve({1: 140.0, 2: 229.0, 5: 340.0, 10: 466.0, 30: 576.0, 70: 603.0})
     base = _curve({1: 92.0, 2: 158.0, 5: 256.0, 10: 446.0, 30: 696.0, 70: 739.0})
     levels = [1, 2, 5, 10, 30, 70]
-    rec = calibrate.recommend(spec, base, levels)
+    rec = calibration.recommend(spec, base, levels)
     top = max(rec.scores.values())
-    near = [t for t, s in rec.scores.items() if s >= top - calibrate.SCORE_TIE]
+    near = [t for t, s in rec.scores.items() if s >= top - calibration.SCORE_TIE]
     assert rec.threshold in near
     assert rec.worst[rec.threshold] == max(rec.worst[t] for t in near)
-    text = calibrate.render(rec, spec, base, levels)
+    text = calibration.render(rec, spec, base, levels)
     assert f"recommended spillover threshold: {rec.threshold}" in text
-    assert calibrate._ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert calibration._ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
 
 
 # ---------------------------------------------------------------- the balanced policy's model
@@ -144,13 +144,13 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 def test_balanced_split_by_hand():
     # c=2: speculative already holds 1 (15/2 = 7.5) vs an idle baseline (8) -> baseline
-    assert calibrate.balanced_split(SPEC, BASE, 1) == [1, 0]
-    assert calibrate.balanced_split(SPEC, BASE, 2) == [1, 1]
-    assert calibrate.balanced_split(SPEC, BASE, 3) == [1, 2]  # 7.5 < B(2)/2 = 8
-    assert calibrate.balanced_split(SPEC, BASE, 4) == [2, 2]  # 7.5 > B(3)/3 = 16/3
-    assert calibrate.balanced(SPEC, BASE, 3)[0] == pytest.approx(10.0 + 16.0)
+    assert calibration.balanced_split(SPEC, BASE, 1) == [1, 0]
+    assert calibration.balanced_split(SPEC, BASE, 2) == [1, 1]
+    assert calibration.balanced_split(SPEC, BASE, 3) == [1, 2]  # 7.5 < B(2)/2 = 8
+    assert calibration.balanced_split(SPEC, BASE, 4) == [2, 2]  # 7.5 > B(3)/3 = 16/3
+    assert calibration.balanced(SPEC, BASE, 3)[0] == pytest.approx(10.0 + 16.0)
     # two instances each: the four requests spread one per instance
-    assert calibrate.balanced_split(SPEC, BASE, 4, 2, 2) == [1, 1, 1, 1]
+    assert calibration.balanced_split(SPEC, BASE, 4, 2, 2) == [1, 1, 1, 1]
 
 
 # Per-request speed X(n+1)/(n+1) of a new request next to n others, by hand from these two curves:
@@ -167,7 +167,7 @@ def test_balanced_model_split_by_hand():
     spec, base = _curve(BALANCED_SPEC), _curve(BALANCED_BASE)
     for c in range(1, len(BALANCED_ORDER) + 1):
         placed = BALANCED_ORDER[:c]
-        assert calibrate.balanced_split(spec, base, c) == [placed.count("speculative"), placed.count("baseline")]
+        assert calibration.balanced_split(spec, base, c) == [placed.count("speculative"), placed.count("baseline")]
 
 
 async def test_balanced_router_places_requests_as_computed_by_hand(raw_backend_factory, router_factory):
@@ -206,7 +206,7 @@ def test_balanced_predicted_against_spillover_and_round_robin(profile):
     spec = Curve.from_figs(data["results"]["speculative"])
     base = Curve.from_figs(data["results"]["baseline"])
     levels = sorted(set(spec.levels) & set(base.levels))
-    rec = calibrate.recommend(spec, base, levels)
+    rec = calibration.recommend(spec, base, levels)
     e = rec.expected
     for other in ("spillover", "round-robin"):
         assert sum(e[c]["balanced"] / e[c][other] for c in levels) / len(levels) >= 1.0, other
@@ -221,16 +221,16 @@ def test_render_prints_a_config_the_router_accepts(tmp_path):
     from router.settings import load_settings
 
     spec, base = _curve({1: 141.7, 5: 340.7, 30: 581.9}), _curve({1: 92.3, 10: 455.3, 70: 745.9})
-    rec = calibrate.recommend(spec, base, [1, 5, 30])
-    text = calibrate.render(rec, spec, base, [1, 5, 30])
+    rec = calibration.recommend(spec, base, [1, 5, 30])
+    text = calibration.render(rec, spec, base, [1, 5, 30])
     block = text[text.index("  policy: balanced"):].splitlines()[:3]
     cfg = yaml.safe_load("\n".join(line.strip() for line in block))
     s = load_settings(None, {**cfg, "speculative": "http://s:1", "baseline": "http://b:1"}, environ={})
-    assert s.curves() == (calibrate.curve_points(spec), calibrate.curve_points(base))
+    assert s.curves() == (calibration.curve_points(spec), calibration.curve_points(base))
     flags = text[text.index("--speculative-curve"):].split()
     s = load_settings(None, {"policy": "balanced", "speculative": "http://s:1", "speculative_curve": flags[1],
                              "baseline_curve": flags[3].rstrip(")")}, environ={})
-    assert s.curves() == (calibrate.curve_points(spec), calibrate.curve_points(base))
+    assert s.curves() == (calibration.curve_points(spec), calibration.curve_points(base))
 
 
 def test_verdict_judges_balanced_against_the_best_other():
@@ -242,7 +242,7 @@ def test_verdict_judges_balanced_against_the_best_other():
         "balanced": [_fig(1, 10.0, 900.0), _fig(2, 20.0, 900.0)],
     }
     assert compare.winners(results)[1]["throughput_winner"] == "balanced"
-    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    rec = calibration.recommend(SPEC, BASE, [1, 2])
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     # spillover is still judged against the four configurations it was built to beat
     assert rows[1]["best_other"] == "round-robin"
@@ -268,7 +268,7 @@ def test_balanced_again_is_a_control_not_a_contender():
     }
     win = compare.winners(results)
     assert win[0] == {"concurrency": 1, "throughput_winner": "adaptive", "latency_winner": "all-baseline"}
-    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    rec = calibration.recommend(SPEC, BASE, [1, 2])
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     assert rows[0]["balanced_best_other_tput"] == 10.0  # not balanced-again's 12.0
     assert rows[0]["adaptive_best_other"] != "balanced-again" and rows[0]["adaptive_ratio"] == pytest.approx(1.1)
@@ -299,7 +299,7 @@ def test_adaptive_again_is_a_control_and_a_miss_says_how_far_adaptive_moves_on_i
         "adaptive-again": [_fig(1, 13.0, 850.0), _fig(2, 19.0, 920.0)],
     }
     assert compare.winners(results)[0]["throughput_winner"] == "balanced"  # not adaptive-again's 13.0
-    rec = calibrate.recommend(SPEC, BASE, [1, 2])
+    rec = calibration.recommend(SPEC, BASE, [1, 2])
     lines, rows = compare.verdict(results, rec, 1, SPEC, BASE)
     assert [r["adaptive_best_other"] for r in rows] == ["balanced", "balanced"]
     assert rows[1]["adaptive_repeat_ratio"] == pytest.approx(19.0 / 18.0) and rows[1]["adaptive_again"] == 19.0

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from bench import calibrate, compare, demo, procs
+from bench import calibrate, calibration, compare, demo, procs
+from bench.levels import SweepConfig, run_sweep
 from bench.load import LoadSpec, load_prompts, run_closed
-from bench.sweep import SweepConfig, run_sweep
 
 FAST = 50.0  # simulated clock 50x faster than the wall clock
 
@@ -225,11 +225,11 @@ def test_demo_model_curve_is_the_profiles_prediction():
     from bench.sim import fit
     from bench.sim.profiles import load_profile
 
-    points = [tuple(map(float, p.split(":"))) for p in demo.model_curve("eagle3-tp8", 512).split(",")]
-    assert [c for c, _ in points] == list(demo.CURVE_LEVELS)
+    points = [tuple(map(float, p.split(":"))) for p in calibration.model_curve("eagle3-tp8", 512).split(",")]
+    assert [c for c, _ in points] == list(calibration.CURVE_LEVELS)
     prof = load_profile("eagle3-tp8")
     for c, tok in points:
-        assert tok == pytest.approx(fit.predict(prof, int(c), 512, demo.PROMPT_TOKENS), abs=0.05)
+        assert tok == pytest.approx(fit.predict(prof, int(c), 512, calibration.PROMPT_TOKENS), abs=0.05)
     # the seed profile's model reproduces the measured table's first row (77.5 tok/s at concurrency 1)
     assert points[0][1] == pytest.approx(77.5, rel=0.02)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import calibrate, compare, equal
+from bench import calibration, compare, equal
 
 FAST = 50.0
 
@@ -96,13 +96,13 @@ def test_unequal_hardware_is_said_in_the_same_line():
 
 
 def test_global_threshold_where_the_curves_cross():
-    spec = calibrate.Curve([1, 10, 30], [100.0, 400.0, 500.0], [1000.0, 2000.0, 3000.0])
-    base = calibrate.Curve([1, 10, 30], [80.0, 380.0, 700.0], [1000.0, 2000.0, 3000.0])
+    spec = calibration.Curve([1, 10, 30], [100.0, 400.0, 500.0], [1000.0, 2000.0, 3000.0])
+    base = calibration.Curve([1, 10, 30], [80.0, 380.0, 700.0], [1000.0, 2000.0, 3000.0])
     # spec - base: +20 at 10, -200 at 30; straight lines cross at 10 + 20/220 * 20 = 11.8
     assert compare.global_threshold(spec, base) == 11
-    slower = calibrate.Curve([1, 10, 30], [70.0, 300.0, 400.0], [1.0, 1.0, 1.0])
+    slower = calibration.Curve([1, 10, 30], [70.0, 300.0, 400.0], [1.0, 1.0, 1.0])
     assert compare.global_threshold(slower, base) == 0
-    always = calibrate.Curve([1, 10, 30], [100.0, 400.0, 800.0], [1.0, 1.0, 1.0])
+    always = calibration.Curve([1, 10, 30], [100.0, 400.0, 800.0], [1.0, 1.0, 1.0])
     assert compare.global_threshold(always, base) == 30
     assert [compare.default_hysteresis(t) for t in (0, 1, 11, 40)] == [0, 1, 2, 10]
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from bench import sweep
+from bench import levels, sweep
 from bench.load import (
     BenchInputError,
     LoadSpec,
@@ -257,10 +257,10 @@ async def test_sweep_cli_unreachable_and_bad_prompts(tmp_path, capsys, fake_fact
 
 def test_level_cap_bounds_every_level():
     # 10 requests on 4 clients: at most 3 rounds of the 5 s timeout, plus a minute
-    assert sweep.level_cap(10, None, 5.0, 4, None) == 3 * 5.0 + 60
-    assert sweep.level_cap(None, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60
-    assert sweep.level_cap(100, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60  # the tighter bound wins
-    assert sweep.level_cap(20, None, 5.0, None, 10.0) == 2.0 + 5.0 + 60
+    assert levels.level_cap(10, None, 5.0, 4, None) == 3 * 5.0 + 60
+    assert levels.level_cap(None, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60
+    assert levels.level_cap(100, 30.0, 5.0, 4, None) == 30.0 + 5.0 + 60  # the tighter bound wins
+    assert levels.level_cap(20, None, 5.0, None, 10.0) == 2.0 + 5.0 + 60
 
 
 async def test_level_time_limit_counts_cut_requests_as_failed(fake_factory):

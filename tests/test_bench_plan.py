@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import calibrate, plan
+from bench import calibration, plan
 
 
 def figs(points: dict[int, float]) -> list[dict]:
@@ -54,11 +54,11 @@ def test_needed_speedup_by_hand():
 
 
 def test_colocated_needs_the_speculative_server_alone_to_match():
-    spec, base, ref = calibrate.Curve([1, 10], [80.0, 300.0], [1, 1]), calibrate.Curve([1, 10], [90.0, 450.0], [1, 1]), 90.0
+    spec, base, ref = calibration.Curve([1, 10], [80.0, 300.0], [1, 1]), calibration.Curve([1, 10], [90.0, 450.0], [1, 1]), 90.0
     assert plan.needed_scale("colocated", spec, base, ref, 1) == 0.0  # its baseline half already matches
     assert plan.needed_scale("colocated", spec, base, 120.0, 1) == pytest.approx(1.5)
     assert plan.needed_scale("colocated", spec, base, 600.0, 10) == pytest.approx(2.0)
-    assert plan.needed_scale("split", calibrate.Curve([1], [0.0], [1]), base, 600.0, 1) is None
+    assert plan.needed_scale("split", calibration.Curve([1], [0.0], [1]), base, 600.0, 1) is None
 
 
 def test_a_candidate_that_wins_somewhere():

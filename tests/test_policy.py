@@ -195,15 +195,13 @@ def test_factory_builds_one_object_per_policy_and_rejects_unknown_names():
         P.build("fastest")
 
 
-def test_factory_builds_adaptive_only_by_name_and_only_with_its_builder():
-    """mutmut: `name == "adaptive" and adaptive is not None` -> `or`, `!=`, another string, `is None`."""
-    sentinel = P.RoundRobin()
-    assert P.build("adaptive", adaptive=lambda: sentinel) is sentinel
+def test_factory_builds_the_fixed_policies_and_leaves_adaptive_to_the_app():
+    """policy.build knows the policies without settings of their own; adaptive is router.app.make_policy's."""
     with pytest.raises(ValueError, match="unknown policy 'adaptive'"):
         P.build("adaptive")
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
-        P.build("fastest", adaptive=lambda: sentinel)
-    assert type(P.build("least-inflight", adaptive=lambda: sentinel)) is P.LeastInflight
+        P.build("fastest")
+    assert type(P.build("least-inflight")) is P.LeastInflight
 
 
 def test_policies_read_live_backends_without_copies():

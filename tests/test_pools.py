@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import exporter
 from router import pools as pools_mod
 from router.adaptive import Adaptive
 from router.metrics import Metrics
@@ -24,9 +25,10 @@ S1, S2, B1, B2 = "http://s1:1", "http://s2:1", "http://b1:1", "http://b2:1"
 
 def pools(spec=(S1,), base=(B1,), registry: CollectorRegistry | None = None, keys=None, policy="spillover",
           **cfg) -> Pools:
-    p = Pools(list(spec), list(base), policy=policy, threshold=100, keys=keys,
-              metrics=Metrics(registry) if registry is not None else None, rng=random.Random(3),
+    p = Pools(list(spec), list(base), policy=policy, threshold=100, keys=keys, rng=random.Random(3),
               outlier_cfg=OutlierConfig(**{"consecutive_errors": 3, "base_s": 30.0, "trial_requests": 2, **cfg}))
+    if registry is not None:
+        exporter.bind(Metrics(registry), p)
     for b in p.backends:
         b.probe_ok(1)
     return p
@@ -211,8 +213,8 @@ def test_gauges_of_a_gone_backend_are_removed():
 
 
 def test_adaptive_gauges_follow_the_members():
-    """A pool that gains its first member gets the adaptive gauges. mutmut: _set_members' `metrics is not None`
-    -> `is None`, bind_adaptive's arguments."""
+    """A pool that gains its first member gets the adaptive gauges (they read the policy's state() through the
+    live view)."""
     reg = CollectorRegistry()
     p = pools(base=(), registry=reg, policy=Adaptive(explore=0.0))
     assert reg.get_sample_value("router_adaptive_samples", {"pool": "baseline"}) is None

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench import faultmatrix, stress
+from bench import faultmatrix, streams, stress
 from bench.load import RequestRecord
 
 
@@ -73,7 +73,7 @@ def test_bad_flags_are_one_line_and_exit_2(cmd, args, text):
     (RequestRecord(start=0, error="connection error: ClientPayloadError"), stress.UNACCOUNTED),
 ])
 def test_only_a_status_or_an_error_event_before_done_counts_as_explicit(rec, outcome):
-    assert stress.classify(rec) == outcome
+    assert streams.classify(rec) == outcome
 
 
 def test_fd_limit_is_raised_for_thousands_of_streams():

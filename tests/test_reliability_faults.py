@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from bench.stress import DISCONNECTED, EXPLICIT, OK, UNACCOUNTED, ClientTally, LoadPlan, drive
+from bench.streams import DISCONNECTED, EXPLICIT, OK, UNACCOUNTED, ClientTally, LoadPlan, drive
 from tests.fixtures_router import poll, set_faults, sim_stats, wait_stat
 
 FAST = {"health_interval": 0.1, "health_timeout": 0.3, "health_failure_threshold": 2,
@@ -199,8 +199,8 @@ async def test_one_slow_health_probe_does_not_eject_a_busy_backend(sim_factory, 
     failed_before = router.metric("router_health_probes_total", backend=spec.url, result="failed")
     await set_faults(spec.url, health_delay=0.5)  # over the 0.3 s probe timeout
     work = asyncio.create_task(load(router.url, 40, streams=8))
-    await poll(lambda: router.metric("router_health_probes_total", backend=spec.url, result="failed")
-               > failed_before, 3)
+    assert await poll(lambda: router.metric("router_health_probes_total", backend=spec.url, result="failed")
+                      > failed_before, 3)
     await set_faults(spec.url, health_delay=0.0)
     tally = await work
     watcher.cancel()

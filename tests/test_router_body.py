@@ -9,6 +9,7 @@ import json
 import aiohttp
 import pytest
 
+from router.body import parse_head, with_usage
 from tests.fixtures_rawbackend import json_answer
 
 CHAT = "/v1/chat/completions"
@@ -186,3 +187,30 @@ async def test_a_non_streamed_body_goes_out_byte_for_byte(raw_backend_factory, r
     status, _, raw = await post(router.url, sent)
     assert (status, json.loads(raw)) == (200, {"ok": 1})
     assert be.requests[-1].body == sent
+
+
+_WIDE = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+# Strings whose code units sit next to the splice or straddle it in UTF-16: astral characters (surrogate pairs),
+# lone surrogates of both halves, braces and quotes inside strings, a byte-order mark inside a string.
+_AWKWARD = ("a", "\U0001F600", "\ud800", "\udc00", "}{", '"', "\ufeff", "\u2028", "\x00")
+
+
+@pytest.mark.parametrize("codec", ("utf-8", *_WIDE))
+@pytest.mark.parametrize("mark", (False, True))
+@pytest.mark.parametrize("first", ("stream", "k"))
+def test_with_usage_is_one_splice_in_the_bodys_own_code_units(codec, mark, first):
+    """For every encoding SGLang's json.loads accepts, with and without a byte-order mark, with the awkward string
+    first or last: the body forwarded is the client's bytes with exactly one insertion, the usage request in the
+    body's own encoding right after the opening brace, and it parses to the client's object plus include_usage.
+    Fails before 1ee53f8 (ASCII bytes spliced between UTF-16/UTF-32 code units: the 16 wide cases of 20)."""
+    for text in _AWKWARD:
+        obj = {"stream": True, "k": text} if first == "stream" else {"k": text, "stream": True}
+        src = json.dumps(obj, ensure_ascii=False)
+        body = (("\ufeff" if mark else "") + src).encode(codec, "surrogatepass")
+        out = with_usage(body, parse_head(body))
+        insert = '"stream_options":{"include_usage":true},'.encode(codec)
+        at = len((("\ufeff" if mark else "") + "{").encode(codec))
+        assert out == body[:at] + insert + body[at:], (codec, mark, text)
+        got = json.loads(out)
+        assert json.dumps(got, sort_keys=True) == json.dumps({**obj, "stream_options": {"include_usage": True}},
+                                                             sort_keys=True)

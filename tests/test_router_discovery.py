@@ -8,6 +8,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import exporter
 from router.discovery import endpoint_url, is_name, named_entries, static_entries, system_resolver
 from router.metrics import Metrics
 from router.pools import Pools
@@ -77,8 +78,9 @@ async def test_system_resolver_answers_localhost():
 # ---------------------------------------------------------------- Pools membership
 
 def _pools(registry: CollectorRegistry) -> Pools:
-    return Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy="spillover", threshold=4,
-                 metrics=Metrics(registry))
+    pools = Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy="spillover", threshold=4)
+    exporter.bind(Metrics(registry), pools)
+    return pools
 
 
 def test_removed_backend_with_leases_drains_then_disappears():
@@ -181,11 +183,11 @@ async def test_dns_failure_keeps_the_known_members(sim_factory, router_factory):
     router = await router_factory(speculative=[NAME], discovery="dns", discovery_interval=0.05, resolver=dns)
     dns.fail = True
     calls = dns.calls
-    await poll(lambda: dns.calls >= calls + 3, 5)
+    assert await poll(lambda: dns.calls >= calls + 3, 5)
     dns.fail = False
     dns.records.clear()  # an empty answer is no better than a failure
     calls = dns.calls
-    await poll(lambda: dns.calls >= calls + 3, 5)
+    assert await poll(lambda: dns.calls >= calls + 3, 5)
     assert sorted(router.state.pools.by_url) == sorted(s.url for s in sims)
     assert router.metric("router_discovery_failures_total", pool="speculative") >= 6
     async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as client:
@@ -228,16 +230,18 @@ async def test_a_leaving_member_finishes_its_stream(sim_factory, router_factory)
 
 
 async def test_static_entries_and_names_mix(sim_factory, router_factory):
-    named, fixed, base = await sim_factory(), await sim_factory(), await sim_factory()
+    named, fixed, base, joined = (await sim_factory(), await sim_factory(), await sim_factory(),
+                                  await sim_factory())
     dns = FakeDNS()
     dns.set("sglang-speculative.pool.test", named.url, fixed.url)  # the name also lists the fixed one
     router = await router_factory(speculative=[NAME, fixed.url], baseline=[base.url], discovery="dns",
                                   discovery_interval=0.05, resolver=dns)
     pools = router.state.pools
     assert sorted(pools.by_url) == sorted([named.url, fixed.url, base.url])
-    dns.set("sglang-speculative.pool.test", named.url)
-    calls = dns.calls
-    await poll(lambda: dns.calls >= calls + 2, 5)
+    # The name drops the fixed address and lists a new one in the same answer: the new one joining proves the
+    # answer was applied, so the fixed one staying is the rule, not a round that never ran.
+    dns.set("sglang-speculative.pool.test", named.url, joined.url)
+    assert await poll(lambda: joined.url in pools.by_url, 5)
     assert fixed.url in pools.by_url, "a configured address stays when the name stops listing it"
     await asyncio.sleep(0)
     assert pools.by_url[base.url].pool == "baseline"

@@ -12,6 +12,7 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router import exporter
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.observe import Attempt
@@ -26,7 +27,8 @@ def make(spec: list[str], base: list[str] = (), keys=None, **settings) -> tuple[
            "health_success_threshold": 1, **settings}
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    pools = Pools(spec, base, policy="spillover", threshold=1, keys=keys, metrics=metrics)
+    pools = Pools(spec, base, policy="spillover", threshold=1, keys=keys)
+    exporter.bind(metrics, pools)
     return HealthChecker(pools, Settings(speculative=spec, baseline=list(base), **cfg), metrics), pools, registry
 
 

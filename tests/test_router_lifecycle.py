@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.fixtures_router import CHAT_BODY, poll, sim_stats, wait_stat
+from tests.fixtures_router import CHAT_BODY, poll, sim_stats, wait_stat, wait_stats
 
 STREAM = {**CHAT_BODY, "stream": True, "max_tokens": 200}
 # At real speed (speedup 1) this generation runs ~20 s, so the engine is still busy when the client leaves.
@@ -218,6 +218,5 @@ async def test_mixed_endings_leave_every_gauge_at_zero(sim_factory, router_facto
     assert router.metric("router_inflight_requests", pool="baseline", backend=base.url) == 0
     assert outcomes.get("200", 0) > 100 and outcomes.get("500", 0) > 0 and outcomes.get("left", 0) > 0
     for sim in (spec, base):
-        await wait_stat(sim.url, "completed_total", 0)  # one round trip: let the sims settle
-        stats = await sim_stats(sim.url)
-        assert stats["running"] == stats["queued"] == 0
+        # The router released every lease; the simulators end the aborted requests on their next steps.
+        await wait_stats(sim.url, lambda st: st["running"] == st["queued"] == 0)  # fails the test on timeout

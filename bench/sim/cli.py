@@ -1,4 +1,4 @@
-"""`python -m bench sim`: run one simulated SGLang server (or a co-located pair) until SIGTERM/SIGINT."""
+"""`spec-bench sim`: run one simulated SGLang server (or a co-located pair) until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
@@ -8,31 +8,29 @@ import sys
 
 from pydantic import ValidationError
 
+from bench.cli import ArgError, parser, run_async
+from bench.cli import profile as profile_ref
 from bench.sim.faults import Faults
 from bench.sim.gpu import DEFAULT_SWITCH_MS, Gpu
-from bench.sim.profiles import Profile, builtin_names, load_profile, load_profile_file
+from bench.sim.profiles import builtin_names, load_profile_file
 from bench.sim.server import SimConfig, SimServer
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        print(f"bench sim: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench sim",
-                description="Simulated SGLang 0.5.23 server (OpenAI API, /metrics, /health, ...) on one port.")
+    p = parser("sim", "Simulated SGLang 0.5.23 server (OpenAI API, /metrics, /health, ...) on one port.")
     p.add_argument("--profile", default="baseline-tp8", help=f"built-in profile: {', '.join(builtin_names())}")
-    p.add_argument("--profile-file", help="a profile JSON file (e.g. from `python -m bench fit`); overrides --profile")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--profile-file", help="a profile JSON file (e.g. from `spec-bench fit`); overrides --profile")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--speedup", type=float, default=1.0, help="run the clock K times faster")
     p.add_argument("--model", help="served model name (default: the profile's model path)")
-    p.add_argument("--max-running-requests", type=int)
-    p.add_argument("--max-queued-requests", type=int)
+    p.add_argument("--max-running-requests", type=int,
+                   help="SGLang's --max-running-requests: beyond it requests wait (default: the profile's)")
+    p.add_argument("--max-queued-requests", type=int,
+                   help="SGLang's --max-queued-requests: beyond it requests are refused (default: no limit)")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds during which /health is 503")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the per-request accept lengths and injected errors (default 0)")
     c = p.add_argument_group("co-location (two servers time-sharing the same GPUs, in this one process)")
     c.add_argument("--colocated-with", metavar="PROFILE", help="also run a second server with this profile (built-in "
                    "name or .json file) on the same simulated GPUs; prints a second 'listening on' line")
@@ -43,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"context switch costs when both servers are busy (default {DEFAULT_SWITCH_MS:g})")
     f = p.add_argument_group("faults (wall-clock seconds; also settable at run time via POST /_sim/faults)")
     f.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with an error")
-    f.add_argument("--error-status", type=int, default=500, choices=[500, 503])
+    f.add_argument("--error-status", type=int, default=500, choices=[500, 503],
+                   help="status of the injected errors (default 500)")
     f.add_argument("--hang", action="store_true", help="accept requests and never send a byte")
     f.add_argument("--stall-after-chunks", type=int, help="stream N chunks, then go silent")
     f.add_argument("--drop-after-chunks", type=int, help="close the connection after N chunks")
@@ -51,10 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--health-status", type=int, help="force this /health status")
     f.add_argument("--refuse-for", type=float, default=0.0, help="stop listening for S seconds after start")
     return p
-
-
-def _profile(ref: str) -> Profile:
-    return load_profile_file(ref) if ref.endswith(".json") else load_profile(ref)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -66,7 +61,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
     """One config, or two for a co-located pair (first: --profile, second: --colocated-with).
 
     Raises ValueError (ProfileError included) with a one-line message on bad input."""
-    profile = load_profile_file(args.profile_file) if args.profile_file else load_profile(args.profile)
+    profile = load_profile_file(args.profile_file) if args.profile_file else profile_ref(args.profile)
     try:
         faults = Faults(error_rate=args.error_rate, error_status=args.error_status, hang=args.hang,
                         stall_after_chunks=args.stall_after_chunks, drop_after_chunks=args.drop_after_chunks,
@@ -81,7 +76,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
                   max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay, seed=args.seed)
     if args.colocated_with is None:
         return [SimConfig(profile=profile, faults=faults, **common)]
-    other = _profile(args.colocated_with)
+    other = profile_ref(args.colocated_with)
     if other.tp_size != profile.tp_size:
         raise ValueError(f"--colocated-with: both servers share the same GPUs, but {profile.name} is TP"
                          f"{profile.tp_size} and {other.name} is TP{other.tp_size}")
@@ -121,7 +116,11 @@ async def _serve(cfgs: list[SimConfig], host: str, ports: list[int], switch_ms: 
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ArgError as exc:
+        print(f"bench sim: {exc}", file=sys.stderr)
+        return 2
     try:
         cfgs = configs_from_args(args)
     except ValueError as exc:
@@ -130,9 +129,4 @@ def main(argv: list[str]) -> int:
     ports = [args.port]
     if len(cfgs) > 1:
         ports.append(args.port_b if args.port_b is not None else (args.port + 1 if args.port else 0))
-    serve = _serve(cfgs, args.host, ports, args.switch_ms)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(serve)
-    return uvloop.run(serve)
+    return run_async(_serve(cfgs, args.host, ports, args.switch_ms))

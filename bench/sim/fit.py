@@ -1,4 +1,4 @@
-"""`python -m bench fit`: fit a profile's step model to a measured concurrency/throughput table (reproducible)."""
+"""`spec-bench fit`: fit a profile's step model to a measured concurrency/throughput table (reproducible)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from statistics import NormalDist
 
+from bench.cli import ArgError, parser
 from bench.sim.engine import ACCEPT_Z_CLIP, _accept_rate, request_accept_length
 from bench.sim.profiles import EAGLE_DEFAULT_MAX_RUNNING, Profile, ProfileError, load_profile
 
@@ -258,14 +259,8 @@ def fit(rows: list[tuple[int, float]], base: Profile, *, max_tokens: int, prompt
     return prof, [(c, v, predict(prof, c, max_tokens, prompt_tokens)) for c, v in rows]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        print(f"bench fit: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench fit", description=(
+    p = parser("fit", (
         "Fit the simulator's decode-step model (a + b*n [+ q*n^2] ms per step of n running requests) to a "
         "table of closed-loop output throughput by concurrency; write a profile JSON for --profile-file."))
     p.add_argument("--csv", required=True, type=Path, help="CSV with a 'concurrency' column ('#' lines ignored)")
@@ -293,12 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="line: a + b*n [+ q*n^2] (default); points: also keep the step each row implies and "
                         "interpolate between them, so the model reproduces every measured row")
     p.add_argument("--tp", type=int, help="tensor-parallel size to report")
-    p.add_argument("--description", default=None)
+    p.add_argument("--description", default=None, help="the profile's description (default: the base profile's)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ArgError as exc:
+        print(f"bench fit: {exc}", file=sys.stderr)
+        return 2
     try:
         profile, pred = run(args)
     except (FitError, ProfileError) as exc:

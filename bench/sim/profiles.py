@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from router.curves import interpolate
+
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
 # SGLang silently caps an EAGLE server at 48 running requests unless --max-running-requests is set.
@@ -116,11 +118,7 @@ def tp4_estimate(tp8: Profile, name: str, description: str) -> Profile:
 
 def _interpolate(points: list[tuple[int, float]], n: float) -> float:
     """Piecewise-linear through the points; the end segments carry on straight outside them."""
-    i = 1
-    while i < len(points) - 1 and n > points[i][0]:
-        i += 1
-    (n1, y1), (n2, y2) = points[i - 1], points[i]
-    return max(y1 + (y2 - y1) * (n - n1) / (n2 - n1), 0.01)
+    return max(interpolate(points, n, extend=True), 0.01)
 
 
 def builtin_names() -> list[str]:
