@@ -7,12 +7,11 @@ tests check the servers deliver it. Serves the subset of SGLang 0.5.23 a proxy r
 /v1/chat/completions and /v1/completions (streamed or not, usage in the last chunk on request), /v1/loads
 (running, waiting, max_running_requests, gen_throughput, speculative.accept_length), /server_info.
 
-`python -m bench.family --member NAME --speedup K --port 0 --port-b 0` runs one pair in one process and
+`python -m bench family --member NAME --speedup K --port 0 --port-b 0` runs one pair in one process and
 prints two `listening on URL` lines: the speculative server, then the baseline. `--list` prints the members.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -548,24 +547,25 @@ def describe(member: Member, tokens: int = 96, levels=(1, 2, 4, 8, 16, 32)) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.family", description=__doc__.splitlines()[0])
-    p.add_argument("--member", choices=sorted(MEMBERS))
-    p.add_argument("--speedup", type=float, default=1.0)
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--port-b", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    from bench.cli import ArgError, fail, parser
+
+    p = parser("family", __doc__.splitlines()[0])
+    p.add_argument("--member", choices=sorted(MEMBERS), help="which pair to serve (see --list)")
+    p.add_argument("--speedup", type=float, default=1.0, help="the servers' clock runs K times the wall clock")
+    p.add_argument("--port", type=int, default=0, help="the speculative server's port (0: any free one)")
+    p.add_argument("--port-b", type=int, default=0, help="the baseline server's port (0: any free one)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the acceptance draws")
     p.add_argument("--list", action="store_true", help="print the members and their predicted curves")
     p.add_argument("--max-tokens", type=int, default=96, help="--list: the request length predicted for")
     try:
         ns = p.parse_args(argv)
-    except SystemExit as exc:
-        return 2 if exc.code else 0
+    except ArgError as exc:
+        return fail("family", exc)
     if ns.list:
         print("\n".join(describe(m, ns.max_tokens) for m in MEMBERS.values()))
         return 0
     if ns.member is None or ns.speedup <= 0:
-        print("bench.family: give --member NAME (see --list) and a --speedup > 0", file=sys.stderr)
-        return 2
+        return fail("family", "give --member NAME (see --list) and a --speedup > 0")
     try:
         import uvloop
     except ImportError:  # pragma: no cover

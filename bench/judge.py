@@ -1,4 +1,4 @@
-"""`python -m bench.judge`: adaptive from a cold start against every fixed configuration, on the server family.
+"""`python -m bench judge`: adaptive from a cold start against every fixed configuration, on the server family.
 
 For one member pair of bench/family.py (or several), per repeat: a quick sweep of each server alone (the
 curves `balanced` gets, and the all-speculative / all-baseline figures), then at each closed-loop level, one
@@ -12,7 +12,6 @@ are its cold-start cost. Everything is bounded: request counts per level, a per-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from bench import figures, procs
+from bench.cli import ArgError, NotServing, fail, int_list, parser, run_async, wait_serving
 from bench.family import MEMBERS, describe
 from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
 
@@ -29,33 +29,6 @@ FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balance
 BAR = 0.95
 LOAD_INTERVAL = 0.5
 SETTLE_S = 1.0  # before a learned router's level: two of its /v1/loads polls, past the previous drain
-
-
-# TODO(i27): bench/cli.py will own run_async and the readiness wait; this module keeps its own copies so that it
-# imports no other bench command module.
-def run_async(coro):
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-async def wait_routing(url: str, wait_s: float = 30.0) -> None:
-    """A router may start before its probes mark backends up; wait until a request completes through it."""
-    body = {"model": "default", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    deadline = time.monotonic() + wait_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.post(url + "/v1/chat/completions", json=body) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(0.2)
-    raise BenchInputError(f"router {url} did not route a request within {wait_s:g}s")
 
 
 class Judge:
@@ -78,7 +51,7 @@ class Judge:
                extra: list[str] | None = None) -> str:
         r = group.add(procs.start_router([self.spec_url] if spec else [], [self.base_url] if base else [], policy,
                                          threshold, extra=extra))
-        run_async(wait_routing(r.url))
+        run_async(wait_serving(r.url, proc=r.proc))
         return r.url
 
     def adaptive(self, group: procs.ProcGroup) -> str:
@@ -237,7 +210,7 @@ def render(results: list[dict], cmd: str) -> str:
             cold = "; ".join(
                 (f"{x['runs']} -> {x['requests_before']} req, {x['seconds_before']} s" if x["reached_at_run"] is not None
                  else f"{x['runs']} -> not within {len(x['runs'])} runs") for x in colds)
-            controls = " / ".join(f"{row['control']:.3f}" for row in rows)
+            controls = " / ".join(f"{row.get('control', float('nan')):.3f}" for row in rows)
             shares = ", ".join(f"{row['adaptive_share']:.0%}/{row['best_share']:.0%}" for row in rows)
             out.append(f"| {c} | {', '.join(row['best_fixed'] for row in rows)} | "
                        f"{' / '.join(f'{x:.3f}' for x in ratios)} | {'**' if mark < BAR else ''}{mark:.3f}"
@@ -248,11 +221,11 @@ def render(results: list[dict], cmd: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.judge", description=__doc__.splitlines()[0])
+    p = parser("judge", __doc__.splitlines()[0])
     p.add_argument("--member", action="append", choices=sorted(MEMBERS), help="repeatable; default: all")
     p.add_argument("--speedup", type=float, default=5.0)
-    p.add_argument("--levels", default="1,2,4,8,16,32")
-    p.add_argument("--thresholds", default="1,2,4,8")
+    p.add_argument("--levels", type=int_list, default=int_list("1,2,4,8,16,32"), help="closed-loop levels")
+    p.add_argument("--thresholds", type=int_list, default=int_list("1,2,4,8"), help="spillover thresholds scanned")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=16)
@@ -266,27 +239,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="print one markdown report of saved runs (their JSON files) and run nothing")
     try:
         ns = p.parse_args(argv)
-        ns.levels = [int(x) for x in ns.levels.split(",")]
-        ns.thresholds = [int(x) for x in ns.thresholds.split(",")]
-    except SystemExit as exc:
-        return 2 if exc.code else 0
-    except ValueError:
-        print("bench.judge: --levels and --thresholds are comma-separated integers", file=sys.stderr)
-        return 2
-    if (ns.speedup <= 0 or ns.repeats < 1 or ns.rounds < 1 or ns.cold_runs < 1 or not 0 <= ns.warmup_seconds <= 30
-            or min(ns.levels) < 1 or min(ns.thresholds) < 0):
-        print("bench.judge: --speedup > 0, --repeats/--rounds/--cold-runs >= 1, 0 <= --warmup-seconds <= 30, "
-              "levels >= 1, thresholds >= 0", file=sys.stderr)
-        return 2
+    except ArgError as exc:
+        return fail("judge", exc)
+    if ns.speedup <= 0 or ns.repeats < 1 or ns.rounds < 1 or ns.cold_runs < 1 or not 0 <= ns.warmup_seconds <= 30:
+        return fail("judge", "--speedup > 0, --repeats/--rounds/--cold-runs >= 1, 0 <= --warmup-seconds <= 30")
     if ns.render:
         try:
             docs = [json.loads(f.read_text(encoding="utf-8")) for f in ns.render]
             print("\n".join(render(d["results"], d["command"]) for d in docs))
         except (OSError, ValueError, KeyError) as exc:
-            print(f"bench.judge: cannot render: {exc}", file=sys.stderr)
-            return 2
+            return fail("judge", f"cannot render: {exc}")
         return 0
-    cmd = "python -m bench.judge " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m bench judge " + " ".join(argv if argv is not None else sys.argv[1:])
     judge = Judge(ns)
     results = []
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -297,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "max_tokens": ns.max_tokens,
                                                                 "results": results}, indent=1), encoding="utf-8")
             (ns.out / f"{ns.name}.md").write_text(render(results, cmd), encoding="utf-8")
-    except (BenchInputError, procs.ProcError) as exc:
-        print(f"bench.judge: {exc}", file=sys.stderr)
-        return 2
+    except (BenchInputError, procs.ProcError, NotServing) as exc:
+        return fail("judge", exc)
     print(render(results, cmd))
     return 0
 
