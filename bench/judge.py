@@ -64,12 +64,14 @@ class Judge:
         ns = self.ns
         if ns.warmup_seconds <= 0:
             return {"seconds": 0.0, "requests": 0}
-        each = ns.warmup_seconds / len(ns.levels) / ns.speedup
+        levels = ns.warmup_levels or ns.levels
+        each = ns.warmup_seconds / len(levels) / ns.speedup
         done, t0 = 0, time.monotonic()
-        for c in ns.levels:
+        for c in levels:
             fig = run_async(self.level(url, c, requests=None, duration=each))
             done += fig["completed"]
-        return {"seconds": ns.warmup_seconds, "wall_s": round(time.monotonic() - t0, 2), "requests": done}
+        return {"seconds": ns.warmup_seconds, "wall_s": round(time.monotonic() - t0, 2), "requests": done,
+                "levels": levels}
 
     def repeat(self, k: int) -> dict:
         ns = self.ns
@@ -196,7 +198,9 @@ def render(results: list[dict], cmd: str) -> str:
         out += [f"**{res['member']}**: {res['physics']}; {res['expect']}. Spillover threshold picked per repeat: "
                 + ", ".join(r["spillover_best"] for r in reps) + f". Host load average {host['loadavg_at_start'][0]:.1f}"
                 f" at start, {host['loadavg_at_end'][0]:.1f} at end, {host['wall_seconds']:.0f} s wall. Warm-up: "
-                + ", ".join(f"{r['warmup']['seconds']:g} s ({r['warmup']['requests']} requests)" for r in reps) + ".",
+                + ", ".join(f"{r['warmup']['seconds']:g} s of the servers' time ({r['warmup']['requests']} requests"
+                            f" at {'/'.join(map(str, r['warmup'].get('levels', r['levels'])))} clients)"
+                            for r in reps) + ".",
                 "",
                 "| concurrency | best fixed (per repeat) | adaptive / best fixed, repeats | min | control: balanced "
                 "again / balanced | speculative share: adaptive / best | cold start: runs until within 5% (ratios per "
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--warmup-seconds", type=float, default=30.0, help="servers' seconds of warm-up (<= 30)")
+    p.add_argument("--warmup-levels", type=int_list, default=None,
+                   help="levels the warm-up steps through, equal time each (default: --levels)")
     p.add_argument("--cold-runs", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
