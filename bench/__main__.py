@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
-    "family": ("bench.family", "a pair of small continuous-batching servers that are not our simulator (see --list)"),
+    "family": ("bench.familyserve", "a pair of small continuous-batching servers that are not our simulator (see --list)"),
     "judge": ("bench.judge", "adaptive from a cold start vs every fixed configuration on the server family"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
 }

@@ -7,8 +7,7 @@ tests check the servers deliver it. Serves the subset of SGLang 0.5.23 a proxy r
 /v1/chat/completions and /v1/completions (streamed or not, usage in the last chunk on request), /v1/loads
 (running, waiting, max_running_requests, gen_throughput, speculative.accept_length), /server_info.
 
-`python -m bench family --member NAME --speedup K --port 0 --port-b 0` runs one pair in one process and
-prints two `listening on URL` lines: the speculative server, then the baseline. `--list` prints the members.
+Library only: `spec-bench family` (bench/familyserve.py) serves one pair from the command line.
 """
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ import asyncio
 import json
 import math
 import random
-import signal
-import sys
 import time
 import uuid
 import zlib
@@ -525,55 +522,9 @@ async def start_pair(member: Member, speedup: float, port: int = 0, port_b: int 
     return spec, base
 
 
-async def _serve(member: Member, speedup: float, port: int, port_b: int, seed: int) -> None:
-    spec, base = await start_pair(member, speedup, port, port_b, seed)
-    print(f"listening on {spec.url}", flush=True)
-    print(f"listening on {base.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await spec.close()
-    await base.close()
-
-
 def describe(member: Member, tokens: int = 96, levels=(1, 2, 4, 8, 16, 32)) -> str:
     lines = [f"{member.name}: {member.physics}; {member.expect}"]
     for role, p in (("speculative", member.speculative), ("baseline", member.baseline)):
         figs = ", ".join(f"{n}: {predict(p, n, tokens):.0f}" for n in levels)
         lines.append(f"  {role:11s} predicted closed-loop tok/s at {tokens} tokens: {figs}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench.cli import ArgError, fail, parser
-
-    p = parser("family", __doc__.splitlines()[0])
-    p.add_argument("--member", choices=sorted(MEMBERS), help="which pair to serve (see --list)")
-    p.add_argument("--speedup", type=float, default=1.0, help="the servers' clock runs K times the wall clock")
-    p.add_argument("--port", type=int, default=0, help="the speculative server's port (0: any free one)")
-    p.add_argument("--port-b", type=int, default=0, help="the baseline server's port (0: any free one)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the acceptance draws")
-    p.add_argument("--list", action="store_true", help="print the members and their predicted curves")
-    p.add_argument("--max-tokens", type=int, default=96, help="--list: the request length predicted for")
-    try:
-        ns = p.parse_args(argv)
-    except ArgError as exc:
-        return fail("family", exc)
-    if ns.list:
-        print("\n".join(describe(m, ns.max_tokens) for m in MEMBERS.values()))
-        return 0
-    if ns.member is None or ns.speedup <= 0:
-        return fail("family", "give --member NAME (see --list) and a --speedup > 0")
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        asyncio.run(_serve(MEMBERS[ns.member], ns.speedup, ns.port, ns.port_b, ns.seed))
-    else:
-        uvloop.run(_serve(MEMBERS[ns.member], ns.speedup, ns.port, ns.port_b, ns.seed))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

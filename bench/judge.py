@@ -162,7 +162,7 @@ class Judge:
         ns = self.ns
         t0, load0 = time.time(), os.getloadavg()
         with procs.ProcGroup() as group:
-            pair = group.add(procs.start(f"family {name}", ["bench.family", "--member", name, "--speedup",
+            pair = group.add(procs.start(f"family {name}", ["bench", "family", "--member", name, "--speedup",
                                                           f"{ns.speedup:g}", "--seed", str(ns.seed)], lines=2))
             self.spec_url, self.base_url = pair.urls
             repeats = []

@@ -135,3 +135,41 @@ async def test_a_client_that_leaves_frees_its_slot():
         assert not srv.engine.running and not srv.engine.waiting
     finally:
         await srv.close()
+
+
+def _fig(c: int, tput: float, share: float = 0.5) -> dict:
+    return {"concurrency": c, "output_throughput": tput, "completed": 16, "failed": 0, "duration_s": 1.0,
+            "speculative_share": share}
+
+
+def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
+    from types import SimpleNamespace
+
+    from bench.judge import Judge
+
+    ns = SimpleNamespace(levels=[1, 8], thresholds=[1, 4], speedup=5.0)
+    j = Judge.__new__(Judge)
+    j.ns = ns
+    cfgs = {"all-speculative": [_fig(1, 100), _fig(8, 300)], "all-baseline": [_fig(1, 90), _fig(8, 500)],
+            "round-robin": [_fig(1, 95), _fig(8, 520)],
+            # @4 wins at 8 clients by more than @1 wins at 1: the threshold best over the levels is 4
+            "spillover@1": [_fig(1, 100), _fig(8, 400)], "spillover@4": [_fig(1, 99), _fig(8, 600)],
+            "balanced": [_fig(1, 100), _fig(8, 580)], "balanced-again": [_fig(1, 98), _fig(8, 580)],
+            "adaptive": [_fig(1, 96), _fig(8, 540)]}
+    out = {"configs": cfgs}
+    j.judge_repeat(out)
+    assert out["spillover_best"] == "spillover@4"
+    one, eight = out["rows"]
+    assert one["best_fixed"] in ("all-speculative", "balanced") and one["ratio"] == pytest.approx(0.96)
+    assert one["control"] == pytest.approx(0.98)
+    assert eight["best_fixed"] == "spillover" and eight["ratio"] == pytest.approx(0.9)
+
+
+def test_judge_and_family_commands_refuse_bad_flags(capsys):
+    from bench import familyserve, judge
+
+    assert judge.main(["--levels", "x"]) == 2
+    assert judge.main(["--warmup-seconds", "31"]) == 2
+    assert familyserve.main(["--member", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
