@@ -24,7 +24,13 @@ from router.speedmodel import NEUTRAL, Params, SpeedModel
 OBJECTIVES = ("throughput", "latency")
 # The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
 MIN_INSTANCE_SAMPLES = 20  # an instance routes on its own model from this many samples; before, on its pool's
-MIN_POOL_SAMPLES = 3  # a pool with fewer and no prior borrows the other pool's model
+MIN_POOL_SAMPLES = 1  # a pool with fewer and no prior borrows the other pool's model
+# A young model's per-request scatter is not known yet: its spread is shrunk toward PRIOR_SPREAD by PRIOR_SPREAD_N
+# pseudo-samples (one sample has no scatter at all). A load band it holds no sample in is an extrapolation of the
+# line, as unsure as UNMEASURED (the line alone was 15-30% off a server's speed alone: docs/BENCH.md).
+PRIOR_SPREAD = 0.1
+PRIOR_SPREAD_N = 3
+UNMEASURED = 0.15
 EXPLORE_FLOOR = 0.7  # exploration never picks a backend scoring below this fraction of the best one
 # The reported accept length is a window average that jitters by 5-10%: only a move beyond ACCEPT_JUMP, on
 # ACCEPT_POLLS polls in a row, from a server running at least ACCEPT_MIN_RUNNING, rescales the model.
@@ -32,7 +38,8 @@ ACCEPT_JUMP = 0.2
 ACCEPT_POLLS = 2
 ACCEPT_MIN_RUNNING = 4
 # Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
-# LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there).
+# LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
+# while it could still be the faster: its speed TIE_Z standard errors up at least the pick's TIE_Z down.
 LOW_LOAD = 3
 LOW_LOAD_SAMPLES = 5
 LOW_LOAD_EXPLORE = 0.5
@@ -138,12 +145,20 @@ class Adaptive:
 
     def stderr(self, b: BackendView) -> float:
         """Relative standard error of the model's speed for one more request on b: its per-request spread
-        over the square root of the samples it holds at that load."""
+        (shrunk toward PRIOR_SPREAD while it has few samples) over the square root of the samples it holds at
+        that load; UNMEASURED at least where it holds none there (the line's extrapolation)."""
         key = self._key(b)
         if key is None:
             return 0.0
-        held = self.models[key].band_samples(b.load_estimate + 1)
-        return self.spreads.get(key, 0.0) / math.sqrt(max(held, 1))
+        m = self.models[key]
+        k = m.samples
+        s = self.spreads.get(key, 0.0)
+        held = m.band_samples(b.load_estimate + 1)
+        if b.pool in self.priors:
+            # Curves from a calibration: measured at every load already, its own samples' scatter only.
+            return s / math.sqrt(max(held, 1))
+        s = math.sqrt((k * s * s + PRIOR_SPREAD_N * PRIOR_SPREAD ** 2) / (k + PRIOR_SPREAD_N))
+        return s / math.sqrt(held) if held else max(s, UNMEASURED)
 
     def spread(self, b: BackendView) -> float:
         """The published per-request scatter of the model a decision uses for b (0 while it has none)."""
@@ -286,6 +301,7 @@ class Adaptive:
             alt_sc, pick_sc = (b_score, s_score) if spec_first else (s_score, b_score)
             if (cheap and alt_sc[g] >= EXPLORE_FLOOR * pick_sc[g] and n_alt <= LOW_LOAD and alt.pool not in self.priors
                     and self.model(alt.pool, alt.pool).band_samples(n_alt) < LOW_LOAD_SAMPLES
+                    and self.plausible(alt, alt_sc[0], pick, pick_sc[0])
                     and rng.random() < LOW_LOAD_EXPLORE):
                 return self._send(alt, EXPLORE)
             unfed = self.decisions - self.last_sent.get(alt.pool, 0) > FRESH
@@ -294,6 +310,11 @@ class Adaptive:
                 if cheap or stale:
                     return self._send(alt, EXPLORE)
         return self._send(pick, GAIN)
+
+    def plausible(self, alt: BackendView, alt_speed: float, pick: BackendView, pick_speed: float) -> bool:
+        """Could `alt` still be the faster for this request, given how unsure both models are there? A difference
+        larger than the two models' uncertainty is acted on: exploring it again costs its whole size."""
+        return alt_speed * (1 + TIE_Z * self.stderr(alt)) >= pick_speed * (1 - TIE_Z * self.stderr(pick))
 
     def _send(self, b: BackendView, reason: str) -> Decision:
         self.last_sent[b.pool] = self.decisions

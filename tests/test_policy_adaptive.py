@@ -469,15 +469,15 @@ def test_a_busy_tie_goes_to_the_server_whose_requests_scatter_less(spec_mult, sp
 
 
 def test_a_pool_still_borrowing_the_other_model_is_exactly_that_model():
-    # The speculative model bent at 1 running (alone 10% faster than its line); the baseline has 2 samples and
+    # The speculative model bent at 1 running (alone 10% faster than its line); the baseline has no sample yet and
     # borrows it: at equal loads the two are a tie, which the less measured pool gets (it then learns its own).
+    # (Until MIN_POOL_SAMPLES went from 3 to 1 a pool borrowed until its third sample; now its own model, with its
+    # uncertainty in the tie, from the first.)
     pol = Adaptive(explore=0.0)
     rng = random.Random(4)
     for n in [1, 1, 1, 5, 5, 5, 10, 10, 10, 20, 20, 20] * 2:
         y = truth(SEED_SPEC, n) * (0.9 if n == 1 else 1.0) * (1 + rng.gauss(0, 0.01))
         pol.observe(Observation("speculative", S1, n, n, y * 100, y, 100, 50, True))
-    for _ in range(2):
-        pol.observe(Observation("baseline", B1, 1, 1, 1.0, 0.01, 100, 50, True))
     v = view(0, 0)
     assert pol.params(v.baseline[0]).token_time(1) == pol.params(v.speculative[0]).token_time(1)
     assert decide(pol, v, None, random.Random(1)).pool == "baseline"
@@ -613,7 +613,9 @@ async def test_adaptive_through_the_router(sim_factory, router_factory):
     assert state["policy"] == "adaptive"
     model = state["model"]["pools"]
     assert model["baseline"]["samples"] >= 8
-    assert model["speculative"]["samples"] >= 2  # tried while cold
+    # tried while cold; one sample 8x slower than the baseline is a difference far beyond either model's
+    # uncertainty, so it is not tried again at once (with a 3-sample borrowing phase it was, twice)
+    assert model["speculative"]["samples"] >= 1
     assert model["baseline"]["tok_s_alone"] > model["speculative"]["tok_s_alone"]
     assert 0 <= model["baseline"]["spread"] < 1  # the per-request scatter around the model (log sd)
     assert router.metric("router_adaptive_samples", pool="baseline") >= 8

@@ -1,0 +1,175 @@
+"""The family of servers that are not our simulator (bench/family.py): physics as parameterised, protocol subset."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from bench import figures
+from bench.family import MEMBERS, FamilyServer, Physics, predict, start_pair
+from bench.load import LoadSpec, load_prompts, run_closed
+from router.loads import parse_figures
+
+SPEEDUP = 5.0
+TOKENS = 96
+
+
+@pytest.fixture
+async def pair_factory():
+    made = []
+
+    async def make(name: str):
+        spec, base = await start_pair(MEMBERS[name], SPEEDUP)
+        made.extend([spec, base])
+        return spec, base
+
+    yield make
+    for s in made:
+        await s.close()
+
+
+async def _closed(url: str, c: int, requests: int) -> dict:
+    spec = LoadSpec(url=url, prompts=load_prompts("coding"), max_tokens=TOKENS, requests=requests,
+                    level_timeout=60.0, timeout=30.0)
+    return figures.compute(await run_closed(spec, c), SPEEDUP)
+
+
+def test_members_differ_as_their_names_say():
+    """By their parameters alone (no server): where all-speculative beats all-baseline."""
+    def ahead(m, n):
+        return predict(m.speculative, n, TOKENS) > predict(m.baseline, n, TOKENS)
+
+    lin, conv, sat = MEMBERS["linear-12"], MEMBERS["convex-10"], MEMBERS["saturating-never"]
+    assert ahead(lin, 1) and ahead(lin, 2) and not ahead(lin, 4)
+    assert all(ahead(conv, n) for n in (1, 2, 4, 8)) and not ahead(conv, 16)
+    assert not any(ahead(sat, n) for n in (1, 2, 4, 8, 16, 32))
+    shapes = {m.speculative.shape for m in MEMBERS.values()}
+    assert shapes == {"linear", "convex", "saturating"}
+    assert {(m.speculative.accept_per, m.speculative.accept_dist) for m in MEMBERS.values()} >= {
+        ("step", "fixed"), ("step", "poisson"), ("request", "fixed"), ("request", "poisson")}
+    # convex: the speculative server's throughput falls past its peak; saturating: the step cost levels off
+    assert predict(conv.speculative, 32, TOKENS) < predict(conv.speculative, 8, TOKENS)
+    assert sat.baseline.step_ms(1000) < sat.baseline.a + sat.baseline.b * sat.baseline.c
+
+
+def test_poisson_accept_mean_is_capped_exactly():
+    p = Physics(a=10, b=1, accept=2.6, accept_dist="poisson", max_accept=5)
+    assert 2.4 < p.mean_accept() < 2.6  # the cap at 5 takes a little of the mean
+    assert p.poisson_table()[-1] == 1.0
+    per_request = Physics(a=10, b=1, accept=2.0, accept_per="request", accept_spread=0.5)
+    assert per_request.mean_inverse_accept() > 1 / 2.0  # Jensen: slow requests weigh more
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", ["linear-12", "convex-10"])
+async def test_throughput_at_1_and_8_is_what_the_parameters_say(pair_factory, name):
+    spec, base = await pair_factory(name)
+    for srv in (spec, base):
+        for c, n in ((1, 6), (8, 24)):
+            fig = await _closed(srv.url, c, n)
+            assert fig["failed"] == 0
+            want = predict(srv.physics, c, TOKENS, fig["total_input_tokens"] // fig["completed"])
+            assert fig["output_throughput"] == pytest.approx(want, rel=0.12), (srv.name, c)
+
+
+@pytest.mark.timeout(60)
+async def test_loads_queue_and_accept_length_as_the_router_reads_them(pair_factory):
+    spec, base = await pair_factory("issue28")  # speculative max_running 16
+    async with aiohttp.ClientSession() as s:
+        async def one():
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+            async with s.post(spec.url + "/v1/chat/completions", json=body) as r:
+                return await r.json()
+
+        tasks = [asyncio.create_task(one()) for _ in range(20)]
+        await asyncio.sleep(0.5)
+        async with s.get(spec.url + "/v1/loads?include=core,spec") as r:
+            figs = parse_figures(await r.json())
+        async with s.get(base.url + "/v1/loads?include=core,spec") as r:
+            base_figs = parse_figures(await r.json())
+        done = await asyncio.gather(*tasks)
+    assert figs is not None and figs.max_running == 16
+    assert figs.running == 16 and figs.waiting == 4
+    assert figs.accept_length == pytest.approx(spec.physics.mean_accept(), rel=0.15)
+    assert base_figs is not None and base_figs.accept_length is None and base_figs.running == 0
+    assert all(d["usage"]["completion_tokens"] == 200 and d["usage"]["prompt_tokens"] == 500 for d in done)
+
+
+@pytest.mark.timeout(30)
+async def test_streams_carry_usage_last_and_bad_requests_are_400(pair_factory):
+    spec, _ = await pair_factory("linear-12")
+    async with aiohttp.ClientSession() as s:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                           ("/v1/completions", {"prompt": "x"})):
+            body |= {"max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}}
+            async with s.post(spec.url + path, json=body) as r:
+                raw = await r.read()
+            events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert '"usage":{"prompt_tokens"' in events[-2] and '"completion_tokens":40' in events[-2]
+            assert '"finish_reason":"length"' in events[-3]
+            text = "".join(e for e in events[:-2])
+            assert text.count("tok ") == 40
+        async with s.post(spec.url + "/v1/chat/completions", data=b"{}", headers={"Content-Type": "text/plain"}) as r:
+            assert r.status == 400 and (await r.json())["object"] == "error"
+        async with s.post(spec.url + "/v1/chat/completions", json={"messages": [], "max_tokens": -1}) as r:
+            assert r.status == 400
+        async with s.get(spec.url + "/v1/models") as r:
+            assert (await r.json())["data"][0]["id"] == "default"
+
+
+@pytest.mark.timeout(30)
+async def test_a_client_that_leaves_frees_its_slot():
+    srv = FamilyServer(Physics(a=50.0, b=1.0, max_running=1), speedup=1.0)
+    await srv.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000, "stream": True}
+            async with s.post(srv.url + "/v1/chat/completions", json=body) as r:
+                await r.content.readline()
+            for _ in range(100):
+                if not srv.engine.running:
+                    break
+                await asyncio.sleep(0.02)
+        assert not srv.engine.running and not srv.engine.waiting
+    finally:
+        await srv.close()
+
+
+def _fig(c: int, tput: float, share: float = 0.5) -> dict:
+    return {"concurrency": c, "output_throughput": tput, "completed": 16, "failed": 0, "duration_s": 1.0,
+            "speculative_share": share}
+
+
+def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
+    from types import SimpleNamespace
+
+    from bench.judge import Judge
+
+    ns = SimpleNamespace(levels=[1, 8], thresholds=[1, 4], speedup=5.0)
+    j = Judge.__new__(Judge)
+    j.ns = ns
+    cfgs = {"all-speculative": [_fig(1, 100), _fig(8, 300)], "all-baseline": [_fig(1, 90), _fig(8, 500)],
+            "round-robin": [_fig(1, 95), _fig(8, 520)],
+            # @4 wins at 8 clients by more than @1 wins at 1: the threshold best over the levels is 4
+            "spillover@1": [_fig(1, 100), _fig(8, 400)], "spillover@4": [_fig(1, 99), _fig(8, 600)],
+            "balanced": [_fig(1, 100), _fig(8, 580)], "balanced-again": [_fig(1, 98), _fig(8, 580)],
+            "adaptive": [_fig(1, 96), _fig(8, 540)]}
+    out = {"configs": cfgs}
+    j.judge_repeat(out)
+    assert out["spillover_best"] == "spillover@4"
+    one, eight = out["rows"]
+    assert one["best_fixed"] in ("all-speculative", "balanced") and one["ratio"] == pytest.approx(0.96)
+    assert one["control"] == pytest.approx(0.98)
+    assert eight["best_fixed"] == "spillover" and eight["ratio"] == pytest.approx(0.9)
+
+
+def test_judge_and_family_commands_refuse_bad_flags(capsys):
+    from bench import familyserve, judge
+
+    assert judge.main(["--levels", "x"]) == 2
+    assert judge.main(["--warmup-seconds", "31"]) == 2
+    assert familyserve.main(["--member", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
