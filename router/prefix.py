@@ -119,8 +119,9 @@ class BackendIndex:
         young = self.young
         for h in reversed(blocks[:half]):
             young.add(h)
-        if len(young) >= half:
-            self.old, self.young = young, set()
+            if len(young) >= half:  # mid-prompt too: its tail ages first, as a radix cache evicts leaves first
+                self.old, self.young = young, set()
+                young = self.young
 
     def truncate(self, blocks: list[int], keep: int) -> None:
         """The backend does not hold blocks[keep:] (it said so: fewer cached tokens than expected)."""
