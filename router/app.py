@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from router import exchange, exporter, handlers, introspect, policy
 from router.accept import Acceptor, listen_socket
 from router.adaptive import Adaptive
+from router.affinity import Affinity
 from router.curves import fit_token_time
 from router.discovery import Discovery, Resolver, static_entries
 from router.errors import error_middleware
@@ -35,7 +36,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
     pools = Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
                   policy=make_policy(settings), threshold=settings.threshold,
-                  outlier_cfg=settings.outlier(),
+                  outlier_cfg=settings.outlier(), affinity=make_affinity(settings),
                   keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
     gauges = exporter.bind(metrics, pools, limits)
@@ -65,6 +66,14 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     if settings.metrics_port is not None:
         app.cleanup_ctx.append(_metrics_listener_ctx)
     return app
+
+
+def make_affinity(settings: Settings) -> Affinity | None:
+    """Prefix affinity over every policy's decision (router.affinity), or None when prefix_routing is off."""
+    if not settings.prefix_routing:
+        return None
+    return Affinity(block_bytes=settings.prefix_block_bytes, capacity_tokens=settings.prefix_capacity_tokens,
+                    cross_pool=settings.prefix_cross_pool, max_running=settings.adaptive_max_running)
 
 
 def make_policy(settings: Settings) -> Policy:

@@ -24,6 +24,7 @@ from router.h1 import Response
 from router.observe import OK, Attempt, Observation
 from router.policy import POOLS, RETRY
 from router.pools import Backend, Lease
+from router.prefix import prompt_of
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE
@@ -60,10 +61,11 @@ class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "cut", "first", "delivered", "watchdog", "slot")
+                 "chunks", "cut", "first", "delivered", "watchdog", "slot", "placement")
 
-    def __init__(self, st: RouterState, request: web.Request, lease: Lease) -> None:
+    def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None) -> None:
         self.st = st
+        self.placement = placement  # router.affinity.Placement, None when prefix routing is off
         self.request = request
         self.lease = lease
         self.code = CLIENT_CLOSED
@@ -169,7 +171,7 @@ class Exchange:
             self.slot = None
 
     def _retry(self, resp: Response | None = None) -> bool:
-        new = self.st.pools.acquire_retry(self.lease.backend)
+        new = self.st.pools.acquire_retry(self.lease.backend, self.placement)
         if new is None:
             return False
         if resp is not None:
@@ -279,9 +281,11 @@ class Exchange:
         b = self.lease.backend
         # A stream is finished only by its [DONE]; a buffered answer (no watchdog) by its whole body.
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
+        u = self.usage
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            self.usage.completion if self.usage.seen else None, self.chunks, ok, self.lease.mean_inflight()))
+            u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
+            u.prompt if u.seen else None, u.cached if u.seen else None), self.placement)
         self.lease.release()
         self.give_slot()
         if self.upstream is not None:
@@ -304,6 +308,9 @@ class Exchange:
         if self.usage.seen:
             m.child(m.prompt_tokens, b.pool).inc(self.usage.prompt)
             m.child(m.completion_tokens, b.pool).inc(self.usage.completion)
+            if self.usage.cached is not None:
+                m.child(m.cached_tokens, b.pool).inc(self.usage.cached)
+                m.child(m.cache_reported_prompt_tokens, b.pool).inc(self.usage.prompt)
         if self.code == CLIENT_CLOSED:
             m.child(m.disconnects, b.pool).inc()
 
@@ -336,12 +343,19 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     client_wants_usage = head.wants_usage
     if stream and not client_wants_usage:
         body = with_usage(body, head)
-    got = st.pools.acquire(pinned)
+    prompt = prompt_of(head.messages, head.prompt, st.settings.prefix_block_bytes) if st.pools.affinity else None
+    got = st.pools.place(pinned, prompt)
     if got is None:
         raise no_backend(st.pools.backends)
-    lease, decision = got
-    st.metrics.child(st.metrics.decisions, decision.pool, decision.reason).inc()
-    ex = Exchange(st, request, lease)
+    lease, decision, placement = got
+    m = st.metrics
+    m.child(m.decisions, decision.pool, decision.reason).inc()
+    if placement is not None:
+        m.child(m.prefix_decisions, decision.pool, placement.reason).inc()
+        if placement.prompt.hashed:
+            m.child(m.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
+            m.child(m.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
+    ex = Exchange(st, request, lease, placement)
     try:
         with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):
             resp, first, out = await ex.start(path, body, stream)

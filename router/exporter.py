@@ -2,6 +2,7 @@
 limits and the policy's state(). The core modules (pools, policy, exchange's lease) import no Prometheus."""
 from __future__ import annotations
 
+from router.affinity import REASONS
 from router.metrics import Metrics
 from router.policy import POOLS
 from router.pools import EJECT_REASONS, IN_ROTATION, STATES, Backend, PoolEvents, Pools
@@ -13,9 +14,10 @@ class PoolGauges(PoolEvents):
     counts); a backend gone for good loses its gauges (they would report its last value for ever), counters
     keep their history."""
 
-    def __init__(self, metrics: Metrics, limits: Limits | None) -> None:
+    def __init__(self, metrics: Metrics, limits: Limits | None, affinity=None) -> None:
         self.m = metrics
         self.limits = limits
+        self.affinity = affinity
 
     def joined(self, b: Backend) -> None:
         m = self.m
@@ -26,6 +28,9 @@ class PoolGauges(PoolEvents):
                 lambda b=b, state=state: 1.0 if b.state() == state else 0.0)
         for reason in EJECT_REASONS:
             m.ejections.labels(b.pool, b.url, reason)
+        if self.affinity is not None:
+            aff = self.affinity
+            m.prefix_blocks.labels(b.pool, b.url).set_function(lambda u=b.url: aff.index.size(u))
 
     def limited(self, b: Backend) -> None:
         """`b` has its place in the connection limits (router.upstream.Limits): show the requests waiting there."""
@@ -35,7 +40,7 @@ class PoolGauges(PoolEvents):
 
     def left(self, b: Backend) -> None:
         m = self.m
-        for gauge in (m.inflight, m.backend_up, m.reported_load, m.upstream_waiting):
+        for gauge in (m.inflight, m.backend_up, m.reported_load, m.upstream_waiting, m.prefix_blocks):
             try:
                 gauge.remove(b.pool, b.url)
             except KeyError:
@@ -53,7 +58,7 @@ class PoolGauges(PoolEvents):
 def bind(metrics: Metrics, pools: Pools, limits: Limits | None = None) -> PoolGauges:
     """Bind every gauge that reads the pools (and, given, the connection limits); from then on the pools report
     joins, leaves and ejections to the returned listener."""
-    events = PoolGauges(metrics, limits)
+    events = PoolGauges(metrics, limits, pools.affinity)
     for b in pools.backends:
         events.joined(b)
         events.limited(b)
@@ -62,6 +67,9 @@ def bind(metrics: Metrics, pools: Pools, limits: Limits | None = None) -> PoolGa
         metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in pools.backends))
         metrics.duration.labels(pool)
         metrics.disconnects.labels(pool)
+        if pools.affinity is not None:
+            for reason in REASONS:
+                metrics.prefix_decisions.labels(pool, reason)
     # Read at scrape time through the pools, so a policy swapped in or members changed are followed.
     metrics.policy_gauges.read = lambda: pools.policy.state(pools.view)
     pools.events = events

@@ -23,6 +23,8 @@ def parse_figures(doc: object) -> LoadFigures | None:
     running = waiting = limit = 0
     gen: float | None = None
     accepts: list[float] = []
+    kv: int | None = 0
+    hits: list[float] = []
     for entry in loads:
         if not isinstance(entry, dict):
             return None
@@ -36,11 +38,17 @@ def parse_figures(doc: object) -> LoadFigures | None:
             gen = (gen or 0.0) + g
         m = entry.get("max_running_requests")
         limit = limit + m if isinstance(m, int) and m > 0 and limit is not None else None
+        t = entry.get("max_total_num_tokens")
+        kv = kv + t if isinstance(t, int) and t > 0 and kv is not None else None
+        hit = entry.get("cache_hit_rate")
+        if isinstance(hit, (int, float)) and 0 <= hit <= 1:
+            hits.append(float(hit))
         spec = entry.get("speculative")
         a = spec.get("accept_length") if isinstance(spec, dict) else None
         if isinstance(a, (int, float)) and a > 0:
             accepts.append(float(a))
-    return LoadFigures(running, waiting, gen, sum(accepts) / len(accepts) if accepts else None, limit or None)
+    return LoadFigures(running, waiting, gen, sum(accepts) / len(accepts) if accepts else None, limit or None,
+                       kv or None, sum(hits) / len(hits) if hits else None)
 
 
 def parse_loads(doc: object) -> int | None:

@@ -65,6 +65,26 @@ class Metrics:
         self.upstream_waiting = Gauge("router_upstream_waiting_requests",
                                       "Requests waiting now for a place under max_connections_per_backend",
                                       ["pool", "backend"], registry=registry)
+        # Prefix affinity (router.affinity): why each instance was chosen, and the cached share of prompts,
+        # expected by the router (its index, its token estimate) and reported by backends (usage cached_tokens).
+        self.prefix_decisions = Counter("router_prefix_decisions_total",
+                                        "Prefix-affinity outcome of each decision, by pool and reason",
+                                        ["pool", "reason"], registry=registry)
+        self.prefix_prompt_tokens = Counter("router_prefix_prompt_tokens_total",
+                                            "Prompt tokens of hashed requests, as the router estimates them",
+                                            ["pool"], registry=registry)
+        self.prefix_expected_cached = Counter("router_prefix_expected_cached_tokens_total",
+                                              "Prompt tokens the router expected the chosen backend to hold",
+                                              ["pool"], registry=registry)
+        self.cached_tokens = Counter("router_cached_tokens_total",
+                                     "Cached prompt tokens backends reported (usage prompt_tokens_details)",
+                                     ["pool"], registry=registry)
+        self.cache_reported_prompt_tokens = Counter(
+            "router_cache_reported_prompt_tokens_total",
+            "Prompt tokens of the answers that reported cached_tokens (the share's denominator)",
+            ["pool"], registry=registry)
+        self.prefix_blocks = Gauge("router_prefix_index_blocks", "Prompt blocks the router's prefix index "
+                                   "holds for a backend", ["pool", "backend"], registry=registry)
         # A learning policy's model per pool, read from Policy.state() once per scrape.
         self.policy_gauges = PolicyGauges(registry)
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).

@@ -44,6 +44,9 @@ class Observation:
     # The backend's mean in-flight count over the exchange (time-weighted, this request included); None when
     # not measured. Start and end counts misstate the load of a request that ran while it ramped or drained.
     inflight_mean: float | None = None
+    # From the usage: prompt tokens, and the cached ones when the backend reports them (None: not reported).
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +58,5 @@ class LoadFigures:
     gen_throughput: float | None = None  # output tok/s of the whole server
     accept_length: float | None = None  # mean accepted tokens per speculative step
     max_running: int | None = None  # SGLang's max_running_requests: beyond it requests wait
+    max_total_tokens: int | None = None  # max_total_num_tokens: KV capacity, prefix cache included
+    cache_hit_rate: float | None = None  # cached share of the prompt tokens of its last prefill step

@@ -7,10 +7,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from router import outlier
+from router.affinity import Affinity, Placement
 from router.curves import CurvePoints
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
 from router.policy import BackendLoad, Decision, Policy, View, build, decide, retry_target
+from router.prefix import Prompt
 
 log = logging.getLogger("router.pools")
 
@@ -43,7 +45,7 @@ class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
-                 "_inflight", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at")
+                 "_inflight", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -69,6 +71,8 @@ class Backend:
         self.outlier_cfg = outlier_cfg or OutlierConfig()
         # Set by Pools.remove_backend while leases are still out: called when the last one is released.
         self.on_drained: Callable[[Backend], None] | None = None
+        # Counts the times it went down: what it held before (its prefix cache) is not assumed after.
+        self.generation = 0
 
     @property
     def inflight(self) -> int:
@@ -144,6 +148,8 @@ class Backend:
         self.successes = 0
         self.fails += 1
         if not self.ever_probed or self.fails >= failure_threshold:
+            if self.healthy:
+                self.generation += 1
             self.healthy = False
         self.ever_probed = True
 
@@ -186,7 +192,7 @@ class Pools:
                  threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
                  rng: random.Random | None = None,
                  curves: tuple[CurvePoints, CurvePoints] | None = None,
-                 outlier_cfg: OutlierConfig | None = None) -> None:
+                 outlier_cfg: OutlierConfig | None = None, affinity: Affinity | None = None) -> None:
         keys = keys or {}
         self._keys = keys
         # Removed backends whose leases are still out (router.discovery): kept only until the last release.
@@ -202,6 +208,8 @@ class Pools:
                                if isinstance(policy, str) else policy)
         self.threshold = threshold
         self.rng = rng or random.Random()
+        # Prefix affinity (router.affinity), applied to every policy's decision; None: off.
+        self.affinity = affinity
         self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
 
     def loads(self) -> list[BackendLoad]:
@@ -212,14 +220,29 @@ class Pools:
 
     def acquire(self, pinned: str | None = None) -> tuple[Lease, Decision] | None:
         """Decide and take the lease with no await in between, so concurrent requests see exact counts."""
+        got = self.place(pinned)
+        return None if got is None else got[:2]
+
+    def place(self, pinned: str | None = None, prompt: Prompt | None = None
+              ) -> tuple[Lease, Decision, Placement | None] | None:
+        """acquire(), with the prefix affinity applied to the policy's decision when on and the request has a
+        prompt: the one place where the prefix is weighed, whatever the policy."""
         d = decide(self.policy, self.view, pinned, self.rng)
         if d is None:
             return None
-        return d.backend.lease(), d
+        placement = None
+        if self.affinity is not None and prompt is not None:
+            d, placement = self.affinity.place(d, self.view, prompt, self.rng)
+            self.affinity.sent(d.backend, placement)
+        return d.backend.lease(), d, placement
 
-    def acquire_retry(self, failed: Backend) -> Lease | None:
+    def acquire_retry(self, failed: Backend, placement: Placement | None = None) -> Lease | None:
         target = retry_target(self.view, failed.url, failed.pool, self.rng)
-        return None if target is None else target.lease()
+        if target is None:
+            return None
+        if placement is not None and self.affinity is not None:
+            self.affinity.sent(target, placement)
+        return target.lease()
 
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:
@@ -253,6 +276,8 @@ class Pools:
         if new.phase == outlier.EJECTED:
             reason = "5xx" if attempt is None or attempt.kind == OK else attempt.kind
             self.events.ejected(b, reason)
+            if self.affinity is not None:
+                self.affinity.forget(b.url)  # back from an ejection it may well have restarted
             after = (f"{self.outlier_cfg.consecutive_errors} consecutive failures" if old.phase == outlier.ACTIVE
                      else "a failed trial request")
             log.warning("backend %s (%s) ejected for %.3g s (ejection %d in a row) after %s, the last: %s",
@@ -284,17 +309,21 @@ class Pools:
                 log.warning("backend %s (%s) taken back early: no other backend is routable, its errors pass "
                             "through", b.url, b.pool)
 
-    def report_done(self, backend: Backend, obs: Observation) -> None:
+    def report_done(self, backend: Backend, obs: Observation, placement: Placement | None = None) -> None:
         """Called once per finished exchange, just before its lease is released."""
         # A complete answer is the backend's success; anything else (errors, client disconnects) was either
         # reported as a failed attempt already or is not the backend's doing.
         if obs.ok:
             self._outcome(backend, outlier.SUCCESS, None)
         self.policy.observe(obs)
+        if self.affinity is not None:
+            self.affinity.observe(obs, placement, backend.generation)
 
     def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
         """Called with each /v1/loads answer of a backend (load_signal backend)."""
         self.policy.observe_loads(backend.url, backend.pool, figs)
+        if self.affinity is not None:
+            self.affinity.observe_loads(backend.url, figs)
 
     # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
     # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.
@@ -341,3 +370,5 @@ class Pools:
 
     def _forget(self, b: Backend) -> None:
         self.events.left(b)
+        if self.affinity is not None:
+            self.affinity.forget(b.url)

@@ -121,6 +121,21 @@ class Settings(BaseSettings):
         None, ge=1, description="adaptive policy: requests one backend runs at once (SGLang "
         "max_running_requests); beyond it requests queue. Default: learned from /v1/loads, else unbounded")
 
+    prefix_routing: bool = Field(
+        True, description="cache-aware routing: choose the instance of a pool by expected time to first token "
+        "(its load plus the prefill of the prompt it does not hold, from the router's prefix index), and keep a "
+        "conversation in the pool holding its prefix unless moving gains more than the re-prefill costs; "
+        "false: least loaded, prefixes ignored")
+    prefix_cross_pool: bool = Field(
+        True, description="prefix routing: also weigh the re-prefill when the policy switches pools (false: "
+        "only the instance inside the policy's pool is chosen by prefix)")
+    prefix_block_bytes: int = Field(
+        1024, ge=64, le=65536, description="prefix index block: bytes of the prompt's JSON per hashed block "
+        "(1024: ~256 tokens)")
+    prefix_capacity_tokens: int = Field(
+        1_000_000, ge=1000, description="prefix index bound per backend, in tokens, when its /v1/loads does "
+        "not report max_total_num_tokens (load_signal backend)")
+
     load_signal: Literal["local", "backend"] = Field(
         "local", description="local: this router's own in-flight counts; backend: also poll each backend's "
         "/v1/loads (running + waiting), for several router replicas in front of the same backends")

@@ -41,6 +41,7 @@ class Usage:
     prompt: int = 0
     completion: int = 0
     seen: bool = False
+    cached: int | None = None  # usage.prompt_tokens_details.cached_tokens (SGLang --enable-cache-report)
 
     def take(self, view: _UsageView | None) -> None:
         usage = view.usage if view is not None else None
@@ -48,6 +49,9 @@ class Usage:
             p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
             self.prompt = p if isinstance(p, int) else self.prompt
             self.completion = c if isinstance(c, int) else self.completion
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            self.cached = cached if isinstance(cached, int) and cached >= 0 else self.cached
             self.seen = True
 
 

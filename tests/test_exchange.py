@@ -45,9 +45,9 @@ class Seam:
         self.attempts: list[Attempt] = []
         done, attempt = pools.report_done, pools.report_attempt
 
-        def report_done(backend, obs: Observation) -> None:
+        def report_done(backend, obs: Observation, placement=None) -> None:
             self.done.append(obs)
-            done(backend, obs)
+            done(backend, obs, placement)
 
         def report_attempt(backend, att: Attempt) -> None:
             self.attempts.append(att)

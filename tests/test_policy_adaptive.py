@@ -635,7 +635,8 @@ async def test_router_state_needs_the_api_key_when_one_is_set(sim_factory, route
             body = await r.json()
     assert body["policy"] == "spillover" and "model" not in body
     assert body["backends"] == [{"url": base.url, "pool": "baseline", "healthy": True, "routable": True, "inflight": 0,
-                                 "reported_load": None, "load": 0}]
+                                 "reported_load": None, "load": 0, "prefix_blocks": 0,
+                                 "prefix_capacity_blocks": int(1_000_000 * 4.0 // 1024)}]
 
 
 # ---------------------------------------------------------------- settings
