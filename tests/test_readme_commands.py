@@ -114,6 +114,10 @@ def problems(cmd: str) -> list[str]:
         if sub not in bench_main.COMMANDS:
             return [f"spec-bench has no command {sub!r}"]
         parser, rest = bench_parser(sub), tokens[1:]
+        # A command with commands of its own (`spec-bench gpu run ...`): its flags are the inner command's.
+        inner = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if inner and rest and rest[0] in inner[0].choices:
+            parser, rest = inner[0].choices[rest[0]], rest[1:]
     known = set(parser._option_string_actions)
     return [f"no flag {f}" for f in _flags(rest) if f not in known]
 
