@@ -67,6 +67,10 @@ def bind(metrics: Metrics, pools: Pools, limits: Limits | None = None) -> PoolGa
         metrics.backends.labels(pool).set_function(lambda pool=pool: sum(b.pool == pool for b in pools.backends))
         metrics.duration.labels(pool)
         metrics.disconnects.labels(pool)
+        # The cache shares' series exist from the start (at 0), so their panels show 0 rather than no data.
+        for c in (metrics.prefix_prompt_tokens, metrics.prefix_expected_cached, metrics.cached_tokens,
+                  metrics.cache_reported_prompt_tokens):
+            c.labels(pool)
         if pools.affinity is not None:
             for reason in REASONS:
                 metrics.prefix_decisions.labels(pool, reason)
