@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import resource
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def positive(kind):
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if v <= 0:
+        if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):  # nan and inf are not sizes either
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return v
     return conv

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import figures
+from bench import cli, figures
 from bench.load import BenchInputError, LevelRun, RequestRecord, _session, check_reachable, stream_one
 
 BLOCK_TOKENS = 512  # Mooncake's hash_ids name blocks of 512 prompt tokens
@@ -449,19 +449,6 @@ def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
 
 # ---- the command ----------------------------------------------------------------------------------
 
-def _positive(kind):
-    # TODO(i27): shared helper (bench/sweep.py's positive)
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return v
-    return conv
-
-
 def _nonneg(text: str) -> float:
     try:
         v = float(text)
@@ -505,38 +492,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mooncake-slowdown-factor", type=_levels, default=[1.0], metavar="F[,F...]",
                    help="stretch the arrival times by F (2 = half the rate); several = several load levels "
                         "(bench_serving's flag)")
-    p.add_argument("--mooncake-num-rounds", type=_positive(int), default=1,
+    p.add_argument("--mooncake-num-rounds", type=cli.positive(int), default=1,
                    help="rounds per trace session, sent together as bench_serving does (default 1)")
-    p.add_argument("--limit", type=_positive(int), help="replay only the first N sessions (after the window)")
+    p.add_argument("--limit", type=cli.positive(int), help="replay only the first N sessions (after the window)")
     p.add_argument("--window-start", type=_nonneg, default=0.0, help="trace seconds to skip (default 0)")
-    p.add_argument("--window-end", type=_positive(float), help="trace seconds to stop at (default: the end)")
-    p.add_argument("--sample-conversations", type=_positive(int), default=1, metavar="M",
+    p.add_argument("--window-end", type=cli.positive(float), help="trace seconds to stop at (default: the end)")
+    p.add_argument("--sample-conversations", type=cli.positive(int), default=1, metavar="M",
                    help="keep one conversation in M (lines whose second block id %% M == 0): 1/M of the rate with "
                         "each kept conversation's prefix reuse intact (not a bench_serving flag)")
-    p.add_argument("--token-scale", type=_positive(float), default=1.0,
+    p.add_argument("--token-scale", type=cli.positive(float), default=1.0,
                    help="shrink every prompt, block and output by this factor (small machines); every "
                         "report says so")
-    p.add_argument("--slo-ttft", type=_positive(float), metavar="MS", help="goodput: TTFT at most MS")
-    p.add_argument("--slo-tpot", type=_positive(float), metavar="MS", help="goodput: TPOT at most MS")
+    p.add_argument("--slo-ttft", type=cli.positive(float), metavar="MS", help="goodput: TTFT at most MS")
+    p.add_argument("--slo-tpot", type=cli.positive(float), metavar="MS", help="goodput: TPOT at most MS")
     p.add_argument("--model", default="default", help="value of the 'model' field sent")
-    p.add_argument("--speedup", type=_positive(float), default=1.0,
+    p.add_argument("--speedup", type=cli.positive(float), default=1.0,
                    help="the targets' clocks run K times faster (simulator --speedup): arrivals come K times "
                         "faster and figures are reported in the target's time")
     p.add_argument("--disable-ignore-eos", action="store_true",
                    help="let the server stop at EOS (default: ignore_eos, so outputs are the trace's lengths)")
-    p.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request timeout (s, wall)")
+    p.add_argument("--timeout", type=cli.positive(float), default=600.0, help="per-request timeout (s, wall)")
     p.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("synthetic multi-turn workload (with --synthetic; defaults in brackets)")
     d = SYNTHETIC_DEFAULTS
-    s.add_argument("--sessions", type=_positive(int), default=d["sessions"], help=f"conversations [{d['sessions']}]")
-    s.add_argument("--turns", type=_positive(int), default=d["turns"], help=f"turns per conversation [{d['turns']}]")
-    s.add_argument("--session-rate", type=_positive(float), default=d["session_rate"],
+    s.add_argument("--sessions", type=cli.positive(int), default=d["sessions"], help=f"conversations [{d['sessions']}]")
+    s.add_argument("--turns", type=cli.positive(int), default=d["turns"], help=f"turns per conversation [{d['turns']}]")
+    s.add_argument("--session-rate", type=cli.positive(float), default=d["session_rate"],
                    help=f"new conversations per second, Poisson [{d['session_rate']:g}]")
-    s.add_argument("--system-prompt-tokens", type=_positive(int), default=d["system_prompt_tokens"],
+    s.add_argument("--system-prompt-tokens", type=cli.positive(int), default=d["system_prompt_tokens"],
                    help=f"one system prompt all conversations share [{d['system_prompt_tokens']}]")
-    s.add_argument("--user-tokens", type=_positive(int), default=d["user_tokens"],
+    s.add_argument("--user-tokens", type=cli.positive(int), default=d["user_tokens"],
                    help=f"new user tokens per turn [{d['user_tokens']}]")
-    s.add_argument("--output-tokens", type=_positive(int), default=d["output_tokens"],
+    s.add_argument("--output-tokens", type=cli.positive(int), default=d["output_tokens"],
                    help=f"output tokens per turn [{d['output_tokens']}]")
     s.add_argument("--think-time", dest="think_time_s", type=_nonneg, default=d["think_time_s"],
                    help=f"mean seconds between a reply and the next turn, exponential [{d['think_time_s']:g}]")
