@@ -10,7 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import equal, figures, plan, procs
+from bench import breakeven, equal, figures, procs
 from bench.calibration import Curve, default_hysteresis, global_threshold, model_curve
 from bench.cli import ArgError, NotServing, int_list, parser, positive, run_async, wait_serving
 from bench.cli import profile as _profile
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
              "global_threshold": g_threshold, "hysteresis": hysteresis, "profiles": prof}
     # What to run comes first: when the router's deployments do not pay, the demo says so before any table.
     try:
-        print(plan.render(plan.make_plan([{"config": cfg.as_dict(), "results": results, **extra}])).splitlines()[0])
+        print(breakeven.render(breakeven.make_plan([{"config": cfg.as_dict(), "results": results, **extra}])).splitlines()[0])
     except BenchInputError as exc:
         print(f"recommendation: none ({exc})")
     print(*lines, sep="\n")

@@ -11,6 +11,8 @@ import time
 
 from aiohttp import web
 
+from bench.rawhttp import Connection, request_bytes
+
 # Precomputed bytes: the backend's own cost must stay far below the proxy's, so nothing is built per request
 # that can be built once.
 _CREATED = 1700000000
@@ -131,6 +133,15 @@ class Backend:
 
     async def loads(self, request: web.Request) -> web.Response:
         return web.json_response({"num_running_reqs": self.open_streams, "num_waiting_reqs": 0})
+
+
+async def set_mode(backend_url: str, **mode: float) -> None:
+    """Change a running fake backend's streams (`pace_ms`, `hold_s`) from a client: `POST /_fake/mode`."""
+    conn = await Connection.open(backend_url)
+    try:
+        await asyncio.wait_for(conn.send(request_bytes(backend_url, "/_fake/mode", json.dumps(mode).encode())), 5)
+    finally:
+        conn.close()
 
 
 def build_app(model: str = "default") -> web.Application:

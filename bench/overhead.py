@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench import procs
 from bench.cli import ArgError, NotServing, parser, raise_fd_limit, run_async, wait_serving
+from bench.fastbackend import set_mode
 from bench.rawhttp import Connection, HTTPFailure, open_all, request_bytes
 
 PATH = "/v1/chat/completions"
@@ -46,32 +47,6 @@ class Target:
     runs: list[dict] = field(default_factory=list)  # every repeat's figures, in order
 
 
-# ---- layout: which process runs on which core -------------------------------------------------------
-
-def plan_cpus(pin: bool) -> dict[str, set[int] | None]:
-    """Proxy alone on one core; backend and load generator on the others (their own each from 3 cores)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not pin or len(cpus) < 2:
-        return {"proxy": None, "backend": None, "load": None}
-    if len(cpus) == 2:
-        return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": {cpus[1]}}
-    return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": set(cpus[2:])}
-
-
-@contextlib.contextmanager
-def pinned(cpus: set[int] | None):
-    """Children started inside inherit this thread's CPU mask, from their first instruction on."""
-    if not cpus:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,14 +67,6 @@ def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
     except OSError as exc:
         raise OverheadError(f"{PEER}: cannot start: {exc}") from None
     return procs.Proc(name=PEER, proc=popen, url=f"http://127.0.0.1:{port}")
-
-
-async def set_mode(backend_url: str, **mode: float) -> None:
-    conn = await Connection.open(backend_url)
-    try:
-        await asyncio.wait_for(conn.send(request_bytes(backend_url, "/_fake/mode", json.dumps(mode).encode())), 5)
-    finally:
-        conn.close()
 
 
 # ---- measurements ----------------------------------------------------------------------------------------
@@ -401,7 +368,7 @@ def _version(dist: str) -> str:
 
 def run(ns: argparse.Namespace) -> dict:
     raise_fd_limit(4 * ns.idle_streams + 4 * ns.concurrency + 256)
-    cpus = plan_cpus(not ns.no_pin)
+    cpus = procs.plan_cpus(not ns.no_pin)
     notes = []
     wanted = list(ns.targets)
     if PEER in wanted and importlib.util.find_spec(PEER_MODULE) is None:
@@ -409,7 +376,7 @@ def run(ns: argparse.Namespace) -> dict:
         notes.append(f"{PEER}: skipped (not installed; pip install 'spec-router[peers]')")
     targets: dict[str, Target] = {}
     with procs.ProcGroup() as group, tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        with pinned(cpus["backend"]):
+        with procs.pinned(cpus["backend"]):
             backend = group.add(procs.start("fast backend", ["bench.fastbackend", "--port", "0"]))
         # Repeats interleave the targets, so a noisy minute on the machine hits every target, not just one.
         for _ in range(ns.repeat):
@@ -460,7 +427,7 @@ def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: a
         t.runs.append(t.figures)
         return
     log = None
-    with pinned(cpus["proxy"]):
+    with procs.pinned(cpus["proxy"]):
         if name == "router":
             proc = group.add(procs.start_router([backend_url], [], ns.router_policy, 10**6, extra=[
                 "--log-level", "warning"]))

@@ -1,5 +1,5 @@
 """Start `python -m bench sim` / `python -m router serve` as subprocesses on port 0, learn their URL
-from the `listening on` line, and stop them by PID (SIGTERM, then SIGKILL)."""
+from the `listening on` line, stop them by PID (SIGTERM, then SIGKILL), and pin them to CPUs."""
 from __future__ import annotations
 
 import contextlib
@@ -176,3 +176,29 @@ def stop_all(grace: float = 2.0) -> None:
         for p in reversed(list(group.procs)):
             with contextlib.suppress(Exception):
                 terminate(p.proc, grace)
+
+
+# Which process runs on which core (spec-bench overhead, scripts/ttfb_probe.py): children started inside
+# `pinned` inherit its CPU mask.
+def plan_cpus(pin: bool) -> dict[str, set[int] | None]:
+    """Proxy alone on one core; backend and load generator on the others (their own each from 3 cores)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return {"proxy": None, "backend": None, "load": None}
+    if len(cpus) == 2:
+        return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": {cpus[1]}}
+    return {"proxy": {cpus[0]}, "backend": {cpus[1]}, "load": set(cpus[2:])}
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Children started inside inherit this thread's CPU mask, from their first instruction on."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

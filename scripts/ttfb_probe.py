@@ -19,7 +19,8 @@ import time
 import aiohttp
 
 from bench import procs
-from bench.overhead import pinned, plan_cpus, set_mode
+from bench.fastbackend import set_mode
+from bench.procs import pinned, plan_cpus
 
 BODY = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
 

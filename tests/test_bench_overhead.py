@@ -10,7 +10,7 @@ import sys
 import pytest
 from aiohttp import web
 
-from bench import fastbackend, overhead
+from bench import fastbackend, overhead, procs
 from bench.rawhttp import Connection, HTTPFailure, request_bytes
 from tests.test_router_h1 import FakeTransport
 
@@ -63,8 +63,8 @@ async def test_raw_client_fails_on_error_status_and_on_a_cut():
     ({2, 3, 5, 7}, True, {"proxy": {2}, "backend": {3}, "load": {5, 7}}),
 ])
 def test_each_process_gets_its_own_core_where_there_are_cores(monkeypatch, cpus, pin, expected):
-    monkeypatch.setattr(overhead.os, "sched_getaffinity", lambda pid: cpus)
-    assert overhead.plan_cpus(pin) == expected
+    monkeypatch.setattr(procs.os, "sched_getaffinity", lambda pid: cpus)
+    assert procs.plan_cpus(pin) == expected
 
 
 SUMMARY = {"c1_req_per_s": 1000.0, "c1_p50_ms": 1.0, "high_req_per_s": 3000.0, "high_p50_ms": 20.0,
@@ -112,11 +112,11 @@ async def test_fast_backend_streams_paced_and_idle():
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     try:
         body = dict(overhead.CHAT, stream=True, max_tokens=5, stream_options={"include_usage": True})
-        await overhead.set_mode(url, pace_ms=1)
+        await fastbackend.set_mode(url, pace_ms=1)
         figs = await overhead.closed_loop(url, body, 1, 0.3, 0.05)
         assert figs["requests"] > 0 and figs["errors"] == 0
         assert figs["events_per_s"] > 0 and figs["ttfb_p50_ms"] < figs["p50_ms"]
-        await overhead.set_mode(url, pace_ms=0, hold_s=5)
+        await fastbackend.set_mode(url, pace_ms=0, hold_s=5)
         conn = await Connection.open(url)
         waiter = conn.send(request_bytes(url, overhead.PATH, json.dumps(body).encode()))
         await asyncio.sleep(0.3)

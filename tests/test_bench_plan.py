@@ -1,11 +1,11 @@
-"""`bench plan`: break-even from measured curves, checked on hand-computed cases."""
+"""`bench plan` and bench.breakeven: break-even from measured curves, checked on hand-computed cases."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from bench import calibration, plan
+from bench import breakeven, calibration, plan
 
 
 def figs(points: dict[int, float]) -> list[dict]:
@@ -28,16 +28,16 @@ SPLIT = compare_json("split", spec={1: 45.0, 2: 80.0, 10: 150.0}, base={1: 50.0,
 
 
 def test_nothing_beats_tp8_says_so_first():
-    p = plan.make_plan([SPLIT])
+    p = breakeven.make_plan([SPLIT])
     assert p.reference == "tp8" and p.wins == {"split + balanced": []}
     assert all(p.best[c] == "tp8" for c in (1, 2, 10))
-    first = plan.render(p).splitlines()[0]
+    first = breakeven.render(p).splitlines()[0]
     assert first == ("RUN tp8 [8 GPUs]: nothing measured here beats it at any load "
                      "(the closest, split + balanced, reaches 0.56-0.81x of its throughput).")
 
 
 def test_needed_speedup_by_hand():
-    p = plan.make_plan([SPLIT])
+    p = breakeven.make_plan([SPLIT])
     assert p.today["split"] == pytest.approx(45 / 50)
     need = p.needed["split"]
     # c=1: the speculative server alone must reach 90: s = 90/45 = 2, i.e. 2 x 0.9 = 1.8x over its baseline.
@@ -49,32 +49,32 @@ def test_needed_speedup_by_hand():
     #   k=2: (450 - 211.25)/80 = 2.984; k=7: (450 - 114.375)/123.75 = 2.712; k=8: (450 - 95)/132.5 = 2.679;
     #   k=9: (450 - 50)/141.25 = 2.832; k=10: 450/150 = 3.0 -> k=8 is best
     assert need[10] == pytest.approx((450 - 95) / 132.5 * 0.9)
-    text = plan.render(p)
+    text = breakeven.render(p)
     assert "today 0.90x" in text and "c=1 1.80x" in text and "matches tp8 at no load measured" in text
 
 
 def test_colocated_needs_the_speculative_server_alone_to_match():
     spec, base, ref = calibration.Curve([1, 10], [80.0, 300.0], [1, 1]), calibration.Curve([1, 10], [90.0, 450.0], [1, 1]), 90.0
-    assert plan.needed_scale("colocated", spec, base, ref, 1) == 0.0  # its baseline half already matches
-    assert plan.needed_scale("colocated", spec, base, 120.0, 1) == pytest.approx(1.5)
-    assert plan.needed_scale("colocated", spec, base, 600.0, 10) == pytest.approx(2.0)
-    assert plan.needed_scale("split", calibration.Curve([1], [0.0], [1]), base, 600.0, 1) is None
+    assert breakeven.needed_scale("colocated", spec, base, ref, 1) == 0.0  # its baseline half already matches
+    assert breakeven.needed_scale("colocated", spec, base, 120.0, 1) == pytest.approx(1.5)
+    assert breakeven.needed_scale("colocated", spec, base, 600.0, 10) == pytest.approx(2.0)
+    assert breakeven.needed_scale("split", calibration.Curve([1], [0.0], [1]), base, 600.0, 1) is None
 
 
 def test_a_candidate_that_wins_somewhere():
     colo = compare_json("colocated", spec={1: 120.0, 2: 170.0, 10: 300.0}, base={1: 88.0, 2: 155.0, 10: 440.0},
                         routed={1: 120.0, 2: 163.0, 10: 440.0}, tp8={1: 90.0, 2: 160.0, 10: 450.0})
-    p = plan.make_plan([SPLIT, colo])
+    p = breakeven.make_plan([SPLIT, colo])
     assert p.wins == {"split + balanced": [], "colocated + balanced": [1]}  # 163/160 at c=2 is within noise
     assert p.best == {1: "colocated + balanced", 2: "tp8", 10: "tp8"}
-    assert plan.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: colocated + balanced at c=1; at c=2,10 run tp8."
+    assert breakeven.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: colocated + balanced at c=1; at c=2,10 run tp8."
     # the speculative server alone must reach 90 at c=1: 90/120 of today's, i.e. 90/88 over its baseline
     assert p.needed["colocated"][1] == pytest.approx(90 / 88)
 
 
 def test_unequal_hardware_is_flagged():
-    p = plan.make_plan([compare_json("split", {1: 1.0}, {1: 1.0}, {1: 100.0}, {1: 90.0}, gpus=16)])
-    assert "UNEQUAL HARDWARE: split + balanced uses 16 GPUs, tp8 uses 8 GPUs" in plan.render(p)
+    p = breakeven.make_plan([compare_json("split", {1: 1.0}, {1: 1.0}, {1: 100.0}, {1: 90.0}, gpus=16)])
+    assert "UNEQUAL HARDWARE: split + balanced uses 16 GPUs, tp8 uses 8 GPUs" in breakeven.render(p)
 
 
 def test_cli(tmp_path, capsys):
@@ -104,9 +104,9 @@ def test_each_candidate_is_judged_against_its_own_runs_reference_and_other_refer
     split["references"]["tp8-eagle3"] = {"profile": "eagle3-good-tp8", "url": None, "gpus": 8}
     split["results"]["tp8-eagle3"] = figs({1: 140.0, 2: 200.0, 10: 380.0})
     split["gpus"]["tp8-eagle3"] = 8
-    p = plan.make_plan([split, colo])
+    p = breakeven.make_plan([split, colo])
     assert p.reference == "tp8"  # the non-speculative profile reference, not the EAGLE-3 one
     assert p.ratios["colocated + balanced"][10] == pytest.approx(440 / 450)
     assert p.ratios["tp8-eagle3"][1] == pytest.approx(140 / 90)
     assert p.best == {1: "tp8-eagle3", 2: "tp8-eagle3", 10: "tp8"}
-    assert plan.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: tp8-eagle3 at c=1,2; at c=10 run tp8."
+    assert breakeven.render(p).splitlines()[0] == "Beats tp8 [8 GPUs]: tp8-eagle3 at c=1,2; at c=10 run tp8."
