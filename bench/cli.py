@@ -54,7 +54,7 @@ def float_list(text: str) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
+    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return vals
 
@@ -71,14 +71,41 @@ def positive(kind):
     return conv
 
 
+def nonneg(text: str) -> float:
+    """A finite number >= 0 (a window start, a think time, a size that may be zero)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return v
+
+
+BARE_TARGET = "target"  # the name of a --target given as a bare URL
+
+
 def target(text: str) -> tuple[str, str]:
-    name, sep, url = text.partition("=")
-    if not sep or not name or not url.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected NAME=http://HOST:PORT, got {text!r}")
+    """`--target [NAME=]URL` -> (name, base URL): a trailing `/` or `/v1` is dropped (the paths are added per
+    request). A bare URL is named `target` (one target needs no name; several need NAME= to be told apart, and
+    the commands refuse repeated names). A text that starts with a scheme is a bare URL, `=` in it or not."""
+    if text.startswith(("http://", "https://")):
+        name, url = BARE_TARGET, text
+    else:
+        name, sep, url = text.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"expected [NAME=]http://HOST:PORT, got {text!r}")
     url = url.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
     return name, url
+
+
+def unique_targets(targets: list[tuple[str, str]]) -> None:
+    """Raises ArgError when two --target flags share a name (their figures would overwrite each other)."""
+    names = [n for n, _ in targets]
+    if len(set(names)) != len(names):
+        raise ArgError("target names must be unique (name each target NAME=URL)")
 
 
 def curve(text: str) -> CurvePoints:

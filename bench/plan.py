@@ -2,7 +2,6 @@
 bench.breakeven) and/or before anything is measured (through bench.planmodel): the command, its flags and output."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
@@ -10,7 +9,7 @@ from pathlib import Path
 
 from bench import figures, planmodel
 from bench.breakeven import make_plan, plan_json, render
-from bench.cli import ArgError, int_list, parser, positive
+from bench.cli import ArgError, int_list, nonneg, parser, positive
 from bench.load import BenchInputError
 from bench.sim import memory, presets, stepcost
 from bench.sim.stepcost import ShapeError
@@ -95,16 +94,6 @@ def advise_args(p) -> None:
     g.add_argument("--levels", type=int_list, help="concurrency levels (default 1,2,5,10,30,70,100,250)")
     g.add_argument("--max-tokens", type=positive(int), default=512, help="output tokens per request (default 512)")
     g.add_argument("--prompt-tokens", type=positive(float), default=23.0, help="prompt tokens (default 23)")
-
-
-def nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
 
 
 MEMORY_FLAGS = ("gpus", "gpu_memory_gb", "model_weights_gb", "draft_weights_gb", "kv_bytes_per_token", "kv_heads",

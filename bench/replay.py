@@ -51,16 +51,6 @@ VOCAB = (
 STORY_SUFFIX = "Tell me a story based on this context."  # bench_serving's mooncake prompt ends with this
 
 
-class ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    # TODO(i27): shared helper (bench/sweep.py's parser): every bad flag is one line and exit 2
-    def error(self, message: str):  # type: ignore[override]
-        raise ArgError(message)
-
-
 # ---- the workload ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -449,53 +439,21 @@ def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
 
 # ---- the command ----------------------------------------------------------------------------------
 
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return v
-
-
-def _levels(text: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return vals
-
-
-def _target(text: str) -> tuple[str, str]:
-    # TODO(i27): shared helper (bench/sweep.py's target)
-    name, sep, url = text.partition("=")
-    if not sep:
-        name, url = "target", text
-    if not name or not url.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected [NAME=]http://HOST:PORT, got {text!r}")
-    url = url.rstrip("/")
-    return name, url[:-3] if url.endswith("/v1") else url
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m bench replay",
-                description="Replay a Mooncake trace (or a synthetic multi-turn workload) open loop against "
-                            "OpenAI-compatible targets (a router, SGLang, a simulator).")
+    p = cli.parser("replay", "Replay a Mooncake trace (or a synthetic multi-turn workload) open loop against "
+                             "OpenAI-compatible targets (a router, SGLang, a simulator).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", type=Path, help="Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
     src.add_argument("--synthetic", action="store_true", help="no file: synthetic multi-turn sessions (below)")
-    p.add_argument("--target", type=_target, action="append", required=True,
-                   help="[NAME=]URL of an OpenAI-compatible server or router (repeatable)")
-    p.add_argument("--mooncake-slowdown-factor", type=_levels, default=[1.0], metavar="F[,F...]",
+    p.add_argument("--target", type=cli.target, action="append", required=True,
+                   help="[NAME=]URL of an OpenAI-compatible server or router (repeatable; a bare URL is named target)")
+    p.add_argument("--mooncake-slowdown-factor", type=cli.float_list, default=[1.0], metavar="F[,F...]",
                    help="stretch the arrival times by F (2 = half the rate); several = several load levels "
                         "(bench_serving's flag)")
     p.add_argument("--mooncake-num-rounds", type=cli.positive(int), default=1,
                    help="rounds per trace session, sent together as bench_serving does (default 1)")
     p.add_argument("--limit", type=cli.positive(int), help="replay only the first N sessions (after the window)")
-    p.add_argument("--window-start", type=_nonneg, default=0.0, help="trace seconds to skip (default 0)")
+    p.add_argument("--window-start", type=cli.nonneg, default=0.0, help="trace seconds to skip (default 0)")
     p.add_argument("--window-end", type=cli.positive(float), help="trace seconds to stop at (default: the end)")
     p.add_argument("--sample-conversations", type=cli.positive(int), default=1, metavar="M",
                    help="keep one conversation in M (lines whose second block id %% M == 0): 1/M of the rate with "
@@ -525,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"new user tokens per turn [{d['user_tokens']}]")
     s.add_argument("--output-tokens", type=cli.positive(int), default=d["output_tokens"],
                    help=f"output tokens per turn [{d['output_tokens']}]")
-    s.add_argument("--think-time", dest="think_time_s", type=_nonneg, default=d["think_time_s"],
+    s.add_argument("--think-time", dest="think_time_s", type=cli.nonneg, default=d["think_time_s"],
                    help=f"mean seconds between a reply and the next turn, exponential [{d['think_time_s']:g}]")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
     p.add_argument("--name", default="replay", help="file stem of the outputs (default replay)")
@@ -567,29 +525,17 @@ async def replay(ns: argparse.Namespace, wl: Workload) -> dict[str, list[dict]]:
     return results
 
 
-def _run(coro):
-    # TODO(i27): shared helper (bench/sweep.py's run_async)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main(argv: list[str]) -> int:
     try:
         ns = build_parser().parse_args(argv)
-    except ArgError as exc:
+        cli.unique_targets(ns.target)
+    except cli.ArgError as exc:
         print(f"bench replay: {exc}", file=sys.stderr)
-        return 2
-    names = [n for n, _ in ns.target]
-    if len(set(names)) != len(names):
-        print("bench replay: target names must be unique", file=sys.stderr)
         return 2
     try:
         wl = workload_from_args(ns)
         print(f"replay: {wl.description}; {wl.requests} requests; {scale_note(wl.token_scale)}", file=sys.stderr)
-        results = _run(replay(ns, wl))
+        results = cli.run_async(replay(ns, wl))
     except BenchInputError as exc:
         print(f"bench replay: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from bench import figures
-from bench.cli import ArgError, float_list, parser, run_async, target
+from bench.cli import ArgError, float_list, parser, run_async, target, unique_targets
 from bench.levels import add_load_args, config_from_args, run_sweep, write_outputs
 from bench.load import BenchInputError
 
@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
     p = parser("sweep",
                "Closed-loop (or open-loop Poisson) concurrency sweep against OpenAI-compatible targets.")
     p.add_argument("--target", type=target, action="append", required=True,
-                   help="NAME=URL of an OpenAI-compatible server (repeatable)")
+                   help="[NAME=]URL of an OpenAI-compatible server (repeatable; a bare URL is named target)")
     p.add_argument("--request-rate", type=float_list, default=None,
                    help="open-loop Poisson arrivals at these rates (req/s, comma-separated) instead of "
                         "closed-loop concurrency levels")
@@ -23,12 +23,9 @@ def main(argv: list[str]) -> int:
     add_load_args(p)
     try:
         ns = p.parse_args(argv)
+        unique_targets(ns.target)
     except ArgError as exc:
         print(f"bench sweep: {exc}", file=sys.stderr)
-        return 2
-    names = [n for n, _ in ns.target]
-    if len(set(names)) != len(names):
-        print("bench sweep: target names must be unique", file=sys.stderr)
         return 2
     cfg = config_from_args(ns, ns.target)
     try:

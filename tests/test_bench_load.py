@@ -1,6 +1,7 @@
 """Load generator and sweep CLI against small real HTTP servers: records, failures, bad input."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -8,7 +9,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from bench import levels, sweep
+from bench import cli, levels, sweep
 from bench.load import (
     BenchInputError,
     LoadSpec,
@@ -232,7 +233,9 @@ async def test_sweep_cli_failing_target_reports_failures(fake_factory, tmp_path,
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--target", "nourl"], "NAME=http"),
+    (["--target", "nourl"], "[NAME=]http"),
+    (["--target", "http://127.0.0.1:1", "--target", "http://127.0.0.1:2"], "unique (name each target NAME=URL)"),
+    (["--target", "a=http://127.0.0.1:1", "--request-rate", "1,nan"], "--request-rate"),
     (["--target", "a=http://127.0.0.1:1", "--concurrency", "0"], "positive"),
     (["--target", "a=http://127.0.0.1:1", "--target", "a=http://127.0.0.1:2"], "unique"),
     ([], "--target"),
@@ -253,6 +256,21 @@ async def test_sweep_cli_unreachable_and_bad_prompts(tmp_path, capsys, fake_fact
     rc = await _run_cli(["--target", f"a={url}", "--prompts", str(bad), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "bad.jsonl:1: not valid JSON" in err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a=http://h:1", ("a", "http://h:1")),
+    ("a=http://h:1/v1/", ("a", "http://h:1")),
+    ("http://h:1/", ("target", "http://h:1")),  # a bare URL (replay's users give one target so)
+    ("https://h:1/v1?x=y", ("target", "https://h:1/v1?x=y")),  # `=` inside a bare URL is not a name
+    ("a=b=http://h:1", None), ("=http://h:1", None), ("a=ftp://h", None), ("h:1", None),
+])
+def test_one_target_flag_type_for_every_command(text, expected):
+    if expected is None:
+        with pytest.raises(argparse.ArgumentTypeError, match=r"\[NAME=\]http"):
+            cli.target(text)
+    else:
+        assert cli.target(text) == expected
 
 
 def test_level_cap_bounds_every_level():

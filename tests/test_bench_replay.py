@@ -49,6 +49,10 @@ def test_a_bad_trace_line_is_one_line_naming_file_and_line(tmp_path, capsys, lin
     (["--synthetic", "--mooncake-slowdown-factor", "1,-2"], "--mooncake-slowdown-factor"),
     (["--synthetic", "--sessions", "0"], "--sessions"),
     (["--synthetic", "--think-time", "nan"], "--think-time"),
+    (["--synthetic", "--mooncake-slowdown-factor", "inf"], "--mooncake-slowdown-factor"),
+    (["--synthetic", "--target", "http://127.0.0.1:8", "--target", "http://127.0.0.1:9"],
+     "target names must be unique"),
+    (["--synthetic", "--target", "127.0.0.1:8"], "expected [NAME=]http://HOST:PORT"),
     (["--trace", "x.jsonl", "--synthetic"], "not allowed with"),
     (["--target", "http://127.0.0.1:9"], "one of the arguments --trace --synthetic is required"),
 ])
