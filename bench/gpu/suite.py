@@ -92,6 +92,16 @@ class Run:
         c = self.doc["ceilings"]
         return floors.bound(nbytes, flops, c["bw_gbps"], c["bf16_tflops"])
 
+    def floors(self, fl: dict) -> dict:
+        """A record's floor and what bounds it, from its bytes and flops (floors.py)."""
+        return {"floor_ms": self.floor(fl["bytes"], fl["flops"]), "bound": self.bound(fl["bytes"], fl["flops"])}
+
+
+def per_copy(t: dict, copies: int) -> dict:
+    """K.timed's figures over `copies` rotated copies, per copy."""
+    return {"ms": t["ms"] / copies, "p10_ms": t["p10_ms"] / copies, "p90_ms": t["p90_ms"] / copies,
+            "graph": t["graph"]}
+
 
 def device_info() -> dict:
     p = torch.cuda.get_device_properties(0)
@@ -228,14 +238,11 @@ def moe_sweep(run: Run, model_name: str, tp: int, skews: list[float], with_prefi
                    "seed": seed, "tokens": n, "k": m.active, "experts": m.experts, "distinct": rt.distinct(),
                    "max_load": rt.max_load(), "expected_distinct_uniform": routing.expected_distinct_uniform(
                        n, m.experts, m.active), "kernel": kernel, "layers_rotated": R,
-                   "ms": whole["ms"] / R, "dense_ms": dpart["ms"] / R, "routed_ms": rpart["ms"] / R,
-                   "p10_ms": whole["p10_ms"] / R, "p90_ms": whole["p90_ms"] / R, "graph": whole["graph"],
-                   "floor_ms": run.floor(fl["bytes"], fl["flops"]),
-                   "floor_ms_int4": run.floor(fl["bytes_int4_experts"], fl["flops"]),
+                   **per_copy(whole, R), "dense_ms": dpart["ms"] / R, "routed_ms": rpart["ms"] / R,
+                   **run.floors(fl), "floor_ms_int4": run.floor(fl["bytes_int4_experts"], fl["flops"]),
                    "dense_floor_ms": run.floor(fl["dense_bytes"], fl["dense_flops"]),
                    "routed_floor_ms": run.floor(fl["routed_bytes"], fl["routed_flops"]),
-                   "routed_floor_ms_int4": run.floor(fl["routed_bytes_int4"], fl["routed_flops"]),
-                   "bound": run.bound(fl["bytes"], fl["flops"]), **fl}
+                   "routed_floor_ms_int4": run.floor(fl["routed_bytes_int4"], fl["routed_flops"]), **fl}
             run.doc["moe_layer"].append(rec)
             run.log(f"moe {model_name} tp{tp} {rec['routing']} n={n}: {rec['ms']:.3f} ms (dense {rec['dense_ms']:.3f}"
                     f" routed {rec['routed_ms']:.3f}; floor {rec['floor_ms']:.3f}, int4 {rec['floor_ms_int4']:.3f})"
@@ -263,8 +270,7 @@ def dense_sweep(run: Run, model_name: str, tp: int, with_prefill: bool) -> None:
         t = K.timed(lambda x=x: [K.gqa_layer(x, dense[i], s) for i in range(R)], run.reps)
         fl = floors.dense_layer(s, n, m.hidden)
         rec = {"model": model_name, "tp": tp, "tokens": n, "layers_rotated": R, "kernel": "cuBLAS F.linear",
-               "ms": t["ms"] / R, "p10_ms": t["p10_ms"] / R, "p90_ms": t["p90_ms"] / R, "graph": t["graph"],
-               "floor_ms": run.floor(fl["bytes"], fl["flops"]), "bound": run.bound(fl["bytes"], fl["flops"]), **fl}
+               **per_copy(t, R), **run.floors(fl), **fl}
         run.doc["dense_layer"].append(rec)
         run.log(f"dense {model_name} tp{tp} n={n}: {rec['ms']:.3f} ms (floor {rec['floor_ms']:.3f})")
     if with_prefill:
@@ -308,14 +314,8 @@ def prefill_moe(run: Run, m, s: Slice, dense, experts, routed) -> None:
         qa = F.linear(x, dense[0]["qkv_a"])
         ta = K.timed(lambda qa=qa: [K.mla_prefill_attn(qa, dense[i], s) for i in range(2)], max(5, run.reps // 2))
         fl = floors.prefill_layer(s, T, m.hidden, "mla", m.active, rt.distinct())
-        rec = {"model": m.name, "tp": s.tp, "tokens": T, "ms": t["ms"] / 2, "attn_ms": ta["ms"] / 2,
-               "ms_per_token": t["ms"] / 2 / T, "graph": t["graph"], "distinct": rt.distinct(), "seed": 7 + T,
-               "floor_ms": run.floor(fl["bytes"], fl["flops"]), "bound": run.bound(fl["bytes"], fl["flops"]),
-               "kernel": run.doc["kernels"]["prefill_attention"], **fl}
-        run.doc["prefill"].append(rec)
-        run.log(f"prefill {m.name} tp{s.tp} T={T}: {rec['ms']:.2f} ms ({1e3 * rec['ms_per_token']:.2f} us/token,"
-                f" attention {rec['attn_ms']:.2f} ms; floor {rec['floor_ms']:.2f})")
-        torch.cuda.empty_cache()
+        prefill_record(run, m, s, T, t, ta, fl, run.doc["kernels"]["prefill_attention"], distinct=rt.distinct(),
+                       seed=7 + T)
 
 
 def prefill_dense(run: Run, m, s: Slice, dense) -> None:
@@ -344,21 +344,47 @@ def prefill_dense(run: Run, m, s: Slice, dense) -> None:
         qkv2 = F.linear(x, d["qkv"])
         ta = K.timed(lambda q=qkv2: [K.gqa_prefill_attn(q, s) for _ in range(2)], max(5, run.reps // 2))
         fl = floors.prefill_layer(s, T, m.hidden, "gqa")
-        rec = {"model": m.name, "tp": s.tp, "tokens": T, "ms": t["ms"] / 2, "attn_ms": ta["ms"] / 2,
-               "ms_per_token": t["ms"] / 2 / T, "graph": t["graph"],
-               "floor_ms": run.floor(fl["bytes"], fl["flops"]), "bound": run.bound(fl["bytes"], fl["flops"]),
-               "kernel": run.doc["kernels"]["prefill_attention_gqa"], **fl}
-        run.doc["prefill"].append(rec)
-        run.log(f"prefill {m.name} tp{s.tp} T={T}: {rec['ms']:.2f} ms ({1e3 * rec['ms_per_token']:.2f} us/token,"
-                f" attention {rec['attn_ms']:.2f} ms; floor {rec['floor_ms']:.2f})")
-        torch.cuda.empty_cache()
+        prefill_record(run, m, s, T, t, ta, fl, run.doc["kernels"]["prefill_attention_gqa"])
+
+
+def prefill_record(run: Run, m, s: Slice, T: int, t: dict, ta: dict, fl: dict, kernel: str, **extra) -> None:
+    """One prompt length's figures (two rotated layer copies timed: the layer in `t`, its attention in `ta`)."""
+    rec = {"model": m.name, "tp": s.tp, "tokens": T, "ms": t["ms"] / 2, "attn_ms": ta["ms"] / 2,
+           "ms_per_token": t["ms"] / 2 / T, "graph": t["graph"], **extra, **run.floors(fl), "kernel": kernel, **fl}
+    run.doc["prefill"].append(rec)
+    run.log(f"prefill {m.name} tp{s.tp} T={T}: {rec['ms']:.2f} ms ({1e3 * rec['ms_per_token']:.2f} us/token,"
+            f" attention {rec['attn_ms']:.2f} ms; floor {rec['floor_ms']:.2f})")
+    torch.cuda.empty_cache()
+
+
+def fused_sdpa_backends() -> tuple:
+    """The fused SDPA backends in PyTorch's own order of preference (the math backend is the fallback)."""
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
+
+
+def first_passing_sdpa(run: Run, check: str, call, ref, what: str) -> tuple[str, object] | None:
+    """The first fused SDPA backend whose output of `call()` passes its check against `ref` (one check per backend
+    tried, named `check` with the backend's name in its `{}`): (label, backend), or None when none does."""
+    from torch.nn.attention import sdpa_kernel
+
+    for b in fused_sdpa_backends():
+        try:
+            with sdpa_kernel([b]):
+                out = call()
+            if run.check(check.format(b.name), out, ref, 2e-2):
+                return f"SDPA {b.name} ({what})", b
+        except Exception:
+            continue
+    return None
 
 
 def sdpa_backend_name(fn) -> str:
     """Which SDPA backend accepts this call, tried alone in PyTorch's own order of preference."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+    for b in fused_sdpa_backends():
         try:
             with sdpa_kernel([b]):
                 fn()
@@ -372,7 +398,7 @@ def sdpa_backend_name(fn) -> str:
 # ---------------------------------------------------------------- decode attention
 
 def decode_attention(run: Run) -> None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     batches = [1, 8] if run.quick else BATCHES
     contexts = [1024, 8192] if run.quick else CONTEXTS
@@ -389,15 +415,10 @@ def decode_attention(run: Run) -> None:
             scale = 192 ** -0.5
             q, cache = K.rand(B, s.heads, D), K.rand(B, T, D)
             ref = K.mla_decode_ref(q, cache, scale)
-            for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                try:
-                    with sdpa_kernel([b]):
-                        out = K.mla_decode_sdpa(q, cache, scale)
-                    if run.check(f"mla decode SDPA {b.name} tp{tp}", out, ref, 2e-2):
-                        paths.append((f"SDPA {b.name} (heads folded into the query, one latent head)", b))
-                        break
-                except Exception:
-                    continue
+            fused = first_passing_sdpa(run, f"mla decode SDPA {{}} tp{tp}",
+                                       lambda q=q, c=cache, sc=scale: K.mla_decode_sdpa(q, c, sc), ref,
+                                       "heads folded into the query, one latent head")
+            paths += [fused] if fused else []
             if run.check(f"mla decode bmm tp{tp}", K.mla_decode_bmm(q, cache, scale), ref, 2e-2):
                 paths.append(("bmm + fp32 softmax + bmm (reads the cache twice)", None))
             try:
@@ -417,15 +438,10 @@ def decode_attention(run: Run) -> None:
             G = s.heads // s.kv_heads
             q, k, v = K.rand(B, s.kv_heads, G, 128), K.rand(B, s.kv_heads, T, 128), K.rand(B, s.kv_heads, T, 128)
             ref = K.gqa_decode_ref(q, k, v)
-            for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                try:
-                    with sdpa_kernel([b]):
-                        out = K.gqa_decode_sdpa(q, k, v)
-                    if run.check(f"gqa decode SDPA {b.name} tp{tp}", out, ref, 2e-2):
-                        paths.append((f"SDPA {b.name} (each kv head's {G} query heads folded into the query)", b))
-                        break
-                except Exception:
-                    continue
+            fused = first_passing_sdpa(run, f"gqa decode SDPA {{}} tp{tp}",
+                                       lambda q=q, k=k, v=v: K.gqa_decode_sdpa(q, k, v), ref,
+                                       f"each kv head's {G} query heads folded into the query")
+            paths += [fused] if fused else []
         if not paths:
             raise RuntimeError(f"no decode attention kernel passed for {model_name} tp{tp}")
         for B in batches:
@@ -463,12 +479,9 @@ def decode_attention(run: Run) -> None:
                     t = K.timed(fn, run.reps)
                     ms = t["ms"] / C
                     rec = {"model": model_name, "kind": kind, "tp": tp, "heads": s.heads, "kv_heads": s.kv_heads,
-                           "batch": B, "context": T, "kernel": label, "copies": C, "ms": ms,
-                           "p10_ms": t["p10_ms"] / C, "p90_ms": t["p90_ms"] / C, "graph": t["graph"],
+                           "batch": B, "context": T, "kernel": label, "copies": C, **per_copy(t, C),
                            "ms_per_ktoken": ms / (B * T / 1000), "layers": m.layers,
-                           "model_ms_per_ktoken": ms / (B * T / 1000) * m.layers,
-                           "floor_ms": run.floor(fl["bytes"], fl["flops"]), "bound": run.bound(fl["bytes"], fl["flops"]),
-                           **fl}
+                           "model_ms_per_ktoken": ms / (B * T / 1000) * m.layers, **run.floors(fl), **fl}
                     run.doc["decode_attention"].append(rec)
                     run.log(f"attn {model_name} tp{tp} B={B} T={T} [{label[:20]}]: {ms * 1e3:.1f} us/layer, "
                             f"{rec['ms_per_ktoken'] * 1e3:.2f} us/ktok/layer (floor {rec['floor_ms'] * 1e3:.1f} us)")
@@ -509,9 +522,7 @@ def draft(run: Run) -> None:
                         t = K.timed(fn, run.reps)
                         fl = floors.draft_pass(s, steps, hid)
                         rec = {"model": target, "tp": tp, "variant": name, "topk": topk, "steps": steps, "batch": B,
-                               "vocab": vocab, "ms": t["ms"] / R, "p10_ms": t["p10_ms"] / R, "p90_ms": t["p90_ms"] / R,
-                               "graph": t["graph"], "copies": R, "floor_ms": run.floor(fl["bytes"], fl["flops"]),
-                               "bound": run.bound(fl["bytes"], fl["flops"]), **fl}
+                               "vocab": vocab, **per_copy(t, R), "copies": R, **run.floors(fl), **fl}
                         run.doc["draft"].append(rec)
                         run.log(f"draft {target} tp{tp} V={vocab} {name} B={B}: {rec['ms']:.3f} ms "
                                 f"(floor {rec['floor_ms']:.3f})")
