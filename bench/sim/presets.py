@@ -40,22 +40,33 @@ def _mla_flops_per_ctx(heads: int, kv_lora: int, rope: int) -> int:
     return heads * 2 * ((kv_lora + rope) + kv_lora)
 
 
+def mla_moe_shape(*, name: str, model_path: str, source: str, heads: int, vocab: int, moe_layers: int,
+                  routed_experts: int, weight_bytes: float, expert_bytes: float, **rest) -> ModelShape:
+    """A DeepSeek-V3-family shape (Kimi K2.5 is one): hidden 7168, 61 layers, MLA with q_lora 1536, kv_lora 512,
+    qk_nope 128, qk_rope 64, v 128; 8 of `routed_experts` per token plus 1 shared (moe_intermediate 2048); a dense
+    MLP (intermediate 18432) in the first 61 - `moe_layers` layers. `weight_bytes` per parameter for everything
+    but the routed experts (`expert_bytes`)."""
+    h = 7168
+    return ModelShape(
+        name=name, model_path=model_path, source=source, layers=61, hidden=h, vocab=vocab,
+        attn_params=mla_attn_params(h, heads, 1536, 512, 128, 64, 128), attn_bytes_per_param=weight_bytes,
+        attn_replicated_params=h * (1536 + 512 + 64),
+        attn_flops_per_ctx_token=_mla_flops_per_ctx(heads, 512, 64), prefill_attn_flops_per_pair=heads * 2 * (192 + 128),
+        moe_layers=moe_layers, dense_mlp_params=3 * h * 18432, dense_bytes_per_param=weight_bytes,
+        routed_experts=routed_experts, experts_per_token=8, expert_params=3 * h * 2048,
+        expert_bytes_per_param=expert_bytes, shared_params=3 * h * 2048, shared_bytes_per_param=weight_bytes,
+        embed_params=vocab * h, lm_head_params=vocab * h, kv_bytes_per_token_layer=(512 + 64) * BF16, kv_heads=None,
+        **rest)
+
+
 # moonshotai/Kimi-K2.5 config.json (text_config): hidden 7168, 61 layers (first_k_dense_replace 1), 64 heads,
 # q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v 128, 384 routed experts, 8 per token, 1 shared,
 # moe_intermediate 2048, intermediate 18432, vocab 163840; quantization_config: compressed-tensors int4
 # (group 32) for the routed experts, lm_head / self_attn / shared_experts left in bf16.
-KIMI_K25 = ModelShape(
+KIMI_K25 = mla_moe_shape(
     name="Kimi K2.5", model_path="moonshotai/Kimi-K2.5", source="moonshotai/Kimi-K2.5 config.json",
-    layers=61, hidden=7168, vocab=163840,
-    attn_params=mla_attn_params(7168, 64, 1536, 512, 128, 64, 128), attn_bytes_per_param=BF16,
-    attn_replicated_params=7168 * (1536 + 512 + 64),
-    attn_flops_per_ctx_token=_mla_flops_per_ctx(64, 512, 64), prefill_attn_flops_per_pair=64 * 2 * (192 + 128),
-    moe_layers=60, dense_mlp_params=3 * 7168 * 18432, dense_bytes_per_param=BF16,
-    routed_experts=384, experts_per_token=8, expert_params=3 * 7168 * 2048, expert_bytes_per_param=INT4_G32,
-    shared_params=3 * 7168 * 2048, shared_bytes_per_param=BF16,
-    embed_params=163840 * 7168, lm_head_params=163840 * 7168,
+    heads=64, vocab=163840, moe_layers=60, routed_experts=384, weight_bytes=BF16, expert_bytes=INT4_G32,
     other_weight_bytes=0.4e9 * BF16,  # the vision tower (MoonViT, ~0.4B parameters): an assumption
-    kv_bytes_per_token_layer=(512 + 64) * BF16, kv_heads=None,
     # the seed's drafter: an EAGLE-3 head, one Llama-style layer at hidden 7168 (64 heads, 8 KV heads, MLP 18432)
     # with a 32k draft vocabulary (SpecForge's default shape for this model family): an assumption
     draft=DraftShape(params=eagle3_params(7168, 64, 8, 128, 18432), lm_head_params=32000 * 7168),
@@ -64,17 +75,9 @@ KIMI_K25 = ModelShape(
 # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3), 128 heads, the same MLA
 # ranks, 256 routed experts, 8 per token, 1 shared, moe_intermediate 2048, intermediate 18432, vocab 129280,
 # FP8 weights (block 128); num_nextn_predict_layers 1: the MTP layer SGLang drafts with (EAGLE algorithm).
-DEEPSEEK_V3 = ModelShape(
+DEEPSEEK_V3 = mla_moe_shape(
     name="DeepSeek-V3", model_path="deepseek-ai/DeepSeek-V3", source="deepseek-ai/DeepSeek-V3 config.json",
-    layers=61, hidden=7168, vocab=129280,
-    attn_params=mla_attn_params(7168, 128, 1536, 512, 128, 64, 128), attn_bytes_per_param=FP8_B128,
-    attn_replicated_params=7168 * (1536 + 512 + 64),
-    attn_flops_per_ctx_token=_mla_flops_per_ctx(128, 512, 64), prefill_attn_flops_per_pair=128 * 2 * (192 + 128),
-    moe_layers=58, dense_mlp_params=3 * 7168 * 18432, dense_bytes_per_param=FP8_B128,
-    routed_experts=256, experts_per_token=8, expert_params=3 * 7168 * 2048, expert_bytes_per_param=FP8_B128,
-    shared_params=3 * 7168 * 2048, shared_bytes_per_param=FP8_B128,
-    embed_params=129280 * 7168, lm_head_params=129280 * 7168,
-    kv_bytes_per_token_layer=(512 + 64) * BF16, kv_heads=None,
+    heads=128, vocab=129280, moe_layers=58, routed_experts=256, weight_bytes=FP8_B128, expert_bytes=FP8_B128,
     draft=DraftShape(params=2 * 7168 * 7168 + mla_attn_params(7168, 128, 1536, 512, 128, 64, 128)
                      + 3 * 7168 * 2048, bytes_per_param=FP8_B128, lm_head_params=0.0, moe=True),
     eos_token_id=1, context_len=163840)
