@@ -360,16 +360,26 @@ async def run_open(spec: LoadSpec, rate: float, progress: Progress | None = None
     return _level(records, request_rate=rate)
 
 
-async def _bounded_wait(tasks: list[asyncio.Task], limit: float, records: list[RequestRecord]) -> None:
+async def wait_bounded(tasks: list[asyncio.Task], limit: float) -> int:
+    """Wait at most `limit` seconds for `tasks`, then cancel the rest and wait for them to unwind; returns how
+    many were cancelled."""
     _, pending = await asyncio.wait(tasks, timeout=limit)
     for t in pending:
         t.cancel()
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
-        now = time.perf_counter()
-        # A cancelled request never produced a record; count it as failed rather than drop it.
-        records.extend(RequestRecord(start=now, end=now, error=f"cancelled: level time limit {limit:g}s")
-                       for _ in pending)
+    return len(pending)
+
+
+def cancelled(n: int, limit: float) -> list[RequestRecord]:
+    """Records for `n` requests the level's time limit cut: counted as failed, never dropped."""
+    now = time.perf_counter()
+    return [RequestRecord(start=now, end=now, error=f"cancelled: level time limit {limit:g}s") for _ in range(n)]
+
+
+async def _bounded_wait(tasks: list[asyncio.Task], limit: float, records: list[RequestRecord]) -> None:
+    # A cancelled request never produced a record; count it as failed rather than drop it.
+    records.extend(cancelled(await wait_bounded(tasks, limit), limit))
 
 
 def _level(records: list[RequestRecord], **kw) -> LevelRun:

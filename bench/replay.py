@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import cli, figures
-from bench.load import BenchInputError, LevelRun, RequestRecord, _session, check_reachable, stream_one
+from bench.load import (
+    BenchInputError,
+    LevelRun,
+    RequestRecord,
+    _session,
+    cancelled,
+    check_reachable,
+    stream_one,
+    wait_bounded,
+)
 
 BLOCK_TOKENS = 512  # Mooncake's hash_ids name blocks of 512 prompt tokens
 # plain English words (no code markers: the simulator would take a prompt with code words as a coding prompt)
@@ -323,16 +332,9 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
     async with _session(0) as http:
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(start_session(http, s, t0)) for s in wl.sessions]
-        _, pending = await asyncio.wait(tasks, timeout=level_cap)
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-            now = time.perf_counter()
-            # what never came back counts as failed, never dropped
-            missing = wl.requests - len(sent)
-            sent.extend(Sent(RequestRecord(start=now, end=now, error=f"cancelled: level time limit {level_cap:g}s"),
-                             -1, -1) for _ in range(missing))
+        if await wait_bounded(tasks, level_cap):
+            # what never came back counts as failed, never dropped (a cut session's later turns too)
+            sent.extend(Sent(rec, -1, -1) for rec in cancelled(wl.requests - len(sent), level_cap))
     return sent
 
 

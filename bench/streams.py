@@ -1,5 +1,5 @@
 """Many concurrent streams against a router and what became of each: the load driver, its client-side tally, and
-readers of the router's and the simulators' own counts (bench stress and bench faults use them)."""
+readers of the router's and the simulators' own counts (bench stress, faults, compare use them)."""
 from __future__ import annotations
 
 import asyncio
@@ -295,3 +295,14 @@ async def wait_quiet(session: aiohttp.ClientSession, router: str, sims: list[str
         if not busy or time.monotonic() > deadline:
             return view
         await asyncio.sleep(0.2)
+
+
+async def learned_state(url: str) -> dict | None:
+    """What a learned configuration ended the run believing (GET /router/state's `model`), for the record; None
+    when the router does not answer it."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(url + "/router/state") as resp:
+            return (await resp.json()).get("model") if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
