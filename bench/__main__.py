@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: the servers it started are stopped on the way out (procs.ProcGroup)
+        print(f"bench {name}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as exc:
         # A lazy import deeper down: the same one line if it is an extra's module, a real bug otherwise.
         top = (exc.name or "").split(".")[0]

@@ -298,9 +298,6 @@ def main(argv: list[str]) -> int:
     except (BenchInputError, procs.ProcError, NotServing) as exc:
         print(f"bench compare: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench compare: interrupted", file=sys.stderr)
-        return 130
 
 
 def _parse_configs(text: str | None, colocated: bool) -> list[str]:

@@ -71,9 +71,6 @@ def main(argv: list[str]) -> int:
     except (BenchInputError, procs.ProcError, ProfileError, NotServing) as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench demo: interrupted", file=sys.stderr)
-        return 130
     configs, refs = [SPLIT, COLOCATED], [TP8_BASE, TP8_SPEC]
     rows = equal.judge(results, configs, refs, gpus)
     lines = equal.verdict_lines(rows, configs, refs, gpus)

@@ -365,9 +365,6 @@ def main(argv: list[str]) -> int:
     except (procs.ProcError, NotServing) as exc:
         print(f"bench faults: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench faults: interrupted", file=sys.stderr)
-        return 130
     print("router flags: " + " ".join(f"{k} {v}" for k, v in ROUTER_FLAGS.items()) + f"; simulator speedup {ns.speedup:g}")
     print()
     print(render(results))

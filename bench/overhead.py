@@ -471,9 +471,6 @@ def main(argv: list[str]) -> int:
     except (OverheadError, procs.ProcError, NotServing) as exc:
         print(f"bench overhead: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("bench overhead: interrupted", file=sys.stderr)
-        return 130
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -541,9 +541,6 @@ def main(argv: list[str]) -> int:
     except BenchInputError as exc:
         print(f"bench replay: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench replay: interrupted", file=sys.stderr)
-        return 130
     print(render(results, wl))
     ns.out.mkdir(parents=True, exist_ok=True)
     paths = [ns.out / f"{ns.name}.json", ns.out / f"{ns.name}.csv"]

@@ -263,9 +263,6 @@ def main(argv: list[str]) -> int:
     except (procs.ProcError, NotServing) as exc:
         print(f"bench replicas: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench replicas: interrupted", file=sys.stderr)
-        return 130
     rows = [figures(cfg, r) for r in runs]
     table = render(cfg, rows)
     print(table)

@@ -242,9 +242,6 @@ def main(argv: list[str]) -> int:
     except (procs.ProcError, BenchInputError, NotServing) as exc:
         print(f"bench stress: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench stress: interrupted", file=sys.stderr)
-        return 130
     res["checks"]["router exited 0 on SIGTERM after the run"] = res["router"]["exit_code"] == 0
     res["ok"] = all(res["checks"].values())
     print(render(res))

@@ -33,9 +33,6 @@ def main(argv: list[str]) -> int:
     except BenchInputError as exc:
         print(f"bench sweep: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench sweep: interrupted", file=sys.stderr)
-        return 130
     print(figures.render_table(results))
     paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench sweep", plot=not ns.no_plot)
     print("wrote " + ", ".join(str(x) for x in paths))

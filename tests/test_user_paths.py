@@ -93,6 +93,14 @@ def test_a_lazy_import_of_an_extra_is_one_line_too(tmp_path, monkeypatch, capsys
         bench_main.main(["buggy"])
 
 
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    (tmp_path / "slow_cmd.py").write_text("def main(argv):\n    raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(bench_main.COMMANDS, "slow", ("slow_cmd", "test"))
+    assert bench_main.main(["slow"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["bench slow: interrupted"]
+
+
 def _install_block() -> list[str]:
     """The commands of the README's install block (the one that starts with `pip install .`)."""
     text = (ROOT / "README.md").read_text()
