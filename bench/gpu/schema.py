@@ -32,16 +32,16 @@ def _num(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x == x
 
 
+def _header(doc: dict, kind: str, keys: tuple[str, ...]) -> list[str]:
+    """Problems with a document's schema version, kind and top-level keys."""
+    p = [f"{k} is {doc.get(k)!r}, expected {want!r}" for k, want in (("schema", SCHEMA), ("kind", kind))
+         if doc.get(k) != want]
+    return p + [f"missing {key}" for key in keys if key not in doc]
+
+
 def validate(doc: dict) -> list[str]:
     """Problems with a single-GPU document's shape (empty when it is well formed)."""
-    p: list[str] = []
-    if doc.get("schema") != SCHEMA:
-        p.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
-    if doc.get("kind") != "single-gpu":
-        p.append(f"kind is {doc.get('kind')!r}, expected 'single-gpu'")
-    for key in ("date", "device", "ceilings", "checks", "errors", "kernels"):
-        if key not in doc:
-            p.append(f"missing {key}")
+    p = _header(doc, "single-gpu", ("date", "device", "ceilings", "checks", "errors", "kernels"))
     dev = doc.get("device") or {}
     p += [f"device.{k} missing" for k in DEVICE_KEYS if k not in dev]
     c = doc.get("ceilings") or {}
@@ -101,14 +101,8 @@ LATENCY_TOL, LATENCY_ABS_US = 0.10, 2.0
 
 
 def validate_tp(doc: dict) -> list[str]:
-    p: list[str] = []
-    if doc.get("schema") != SCHEMA:
-        p.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
-    if doc.get("kind") != "tp":
-        p.append(f"kind is {doc.get('kind')!r}, expected 'tp'")
-    for key in ("date", "device", "world", "env", "label"):
-        if key not in doc:
-            p.append(f"missing {key}")
+    """Problems with a tensor-parallel document's shape (empty when it is well formed)."""
+    p = _header(doc, "tp", ("date", "device", "world", "env", "label"))
     p += [f"device.{k} missing" for k in ("name", "driver", "torch", "nccl") if k not in (doc.get("device") or {})]
     env = doc.get("env") or {}
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
