@@ -108,11 +108,15 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
     raise ProcError(f"{name}: exited with code {rc} before listening ({' '.join(args)}): {p.stderr_tail()}")
 
 
+def profile_flags(profile: str) -> list[str]:
+    """`bench sim`'s flags for a profile given by name or as a path to a JSON file (as bench.cli.profile reads it)."""
+    return ["--profile-file", profile] if profile.endswith(".json") else ["--profile", profile]
+
+
 def start_sim(profile: str, speedup: float, name: str | None = None, extra: list[str] | None = None) -> Proc:
     """`profile` is a built-in profile name or a path to a profile JSON file."""
-    which = ["--profile-file", profile] if profile.endswith(".json") else ["--profile", profile]
     return start(name or f"sim {profile}",
-                 ["bench", "sim", *which, "--port", "0", "--speedup", f"{speedup:g}", *(extra or [])])
+                 ["bench", "sim", *profile_flags(profile), "--port", "0", "--speedup", f"{speedup:g}", *(extra or [])])
 
 
 def start_colocated(profile_a: str, profile_b: str, speedup: float, kv_share: float = 0.5,
@@ -121,9 +125,8 @@ def start_colocated(profile_a: str, profile_b: str, speedup: float, kv_share: fl
 
     `profile_a` gets `kv_share` of its KV capacity, `profile_b` the rest; each is a built-in profile name or
     a profile JSON path. Stopping the Proc stops both servers."""
-    which = ["--profile-file", profile_a] if profile_a.endswith(".json") else ["--profile", profile_a]
     p = start(name or f"co-located sims {profile_a} + {profile_b}",
-              ["bench", "sim", *which, "--colocated-with", profile_b, "--kv-share", f"{kv_share:g}", "--port", "0",
+              ["bench", "sim", *profile_flags(profile_a), "--colocated-with", profile_b, "--kv-share", f"{kv_share:g}", "--port", "0",
                "--port-b", "0", "--speedup", f"{speedup:g}", *(extra or [])], lines=2)
     return p, p.urls[0], p.urls[1]
 
