@@ -5,6 +5,9 @@ import argparse
 import json
 import sys
 
+from bench.cli import ArgError, parser
+from router.cliargs import OneLineParser
+
 
 def _cuda_problem() -> str | None:
     try:
@@ -17,8 +20,8 @@ def _cuda_problem() -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="spec-bench gpu", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = parser("gpu", __doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     r = sub.add_parser("run", help="single-GPU micro-benchmarks (issue 32) -> one JSON")
     r.add_argument("--out", required=True)
     r.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every benchmark")
@@ -50,8 +53,9 @@ def _load(path: str) -> dict:
 def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    except ArgError as exc:
+        print(f"bench gpu: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.cmd in ("run", "tp"):
             if (why := _cuda_problem()) is not None:
