@@ -1,7 +1,7 @@
 """Router CPU time per request and per streamed chunk (psutil), the hot path's figure that host load does not skew.
 
-`.venv/bin/python scripts/hotpath_cpu.py [--requests N] [--streams S] [--tokens T]`: one fast fake backend
-(bench.fastbackend) and one router (spillover) as subprocesses; N non-streamed requests at c=1 and at c=16, then
+`.venv/bin/python scripts/hotpath_cpu.py [--requests N] [--streams S] [--tokens T] [--router-flags "..."]`: one
+fast fake backend (bench.fastbackend) and one router (spillover) as subprocesses; N non-streamed requests at c=1 and at c=16, then
 S concurrent streams of T tokens sent as fast as the backend writes them. Wall-clock rates on a shared machine
 follow the other jobs; the router's own CPU seconds per unit of work do not (much).
 """
@@ -66,11 +66,12 @@ def run() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--router-flags", default="", help='more spec-router flags, e.g. "--prefix-routing false"')
     ns = ap.parse_args()
     with procs.ProcGroup() as group:
         backend = group.add(procs.start("fast backend", ["bench.fastbackend", "--port", "0"]))
         router = group.add(procs.start_router([backend.url], [], "spillover", 10**6,
-                                              extra=["--log-level", "warning"]))
+                                              extra=["--log-level", "warning", *ns.router_flags.split()]))
         res = asyncio.run(main(ns, router.url, router.pid))
     print(json.dumps(res))
     return 0
