@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from bench.cli import ArgError, parser
+from bench.cli import ArgError, fail, parser
 from router.cliargs import OneLineParser
 
 
@@ -54,8 +54,7 @@ def main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
     except ArgError as exc:
-        print(f"bench gpu: {exc}", file=sys.stderr)
-        return 2
+        return fail("gpu", exc)
     try:
         if args.cmd in ("run", "tp"):
             if (why := _cuda_problem()) is not None:
