@@ -249,25 +249,25 @@ def render_markdown(results: dict[str, list[dict]], rows: list[dict], configs: l
     title = ("Output throughput (tok/s) of each deployment, GPUs in each column header"
              + (f"; {note}" if note else f"; all on the same {gpus_label(gpus.get(names[0]))}") + ":")
     pairs = [(c, r) for c in configs for r in refs]
-    out = [title, "", "| concurrency | " + " | ".join(header(n, gpus) for n in names) + " | "
-           + " | ".join(f"{c} / {r}" for c, r in pairs) + " | throughput winner | median-latency winner |",
-           "|" + "---|" * (len(names) + len(pairs) + 3)]
-    for i, row in enumerate(rows):
-        by = {(p["config"], p["reference"]): p for p in row["pairs"]}
-        cells = [str(row["concurrency"])]
-        cells += [f"{figures.tput(f):.1f}" if (f := _level(results[n], i)) else "-" for n in names]
-        cells += [f"{by[k]['throughput_ratio']:.2f}x" if k in by else "-" for k in pairs]
-        cells += [row.get("throughput_winner", "-"), row.get("latency_winner", "-")]
-        out.append("| " + " | ".join(cells) + " |")
+
+    def table(figure, ratio: str, winners: tuple[tuple[str, str], ...] = ()) -> list[str]:
+        """One markdown table: a row per level, each deployment's `figure`, each pair's `ratio`, the winners."""
+        out = ["| concurrency | " + " | ".join(header(n, gpus) for n in names) + " | "
+               + " | ".join(f"{c} / {r}" for c, r in pairs) + "".join(f" | {w}" for w, _ in winners) + " |",
+               "|" + "---|" * (len(names) + len(pairs) + 1 + len(winners))]
+        for i, row in enumerate(rows):
+            by = {(p["config"], p["reference"]): p for p in row["pairs"]}
+            cells = [str(row["concurrency"])]
+            cells += [figure(f) if (f := _level(results[n], i)) else "-" for n in names]
+            cells += [f"{by[k][ratio]:.2f}x" if k in by else "-" for k in pairs]
+            cells += [row.get(key, "-") for _, key in winners]
+            out.append("| " + " | ".join(cells) + " |")
+        return out
+
+    out = [title, ""] + table(lambda f: f"{figures.tput(f):.1f}", "throughput_ratio",
+                              (("throughput winner", "throughput_winner"),
+                               ("median-latency winner", "latency_winner")))
     out += ["", "Median E2E latency (s) of each deployment and its ratio to each reference (below 1.00x: "
-            "the router configuration answers faster):", "",
-            "| concurrency | " + " | ".join(header(n, gpus) for n in names) + " | "
-            + " | ".join(f"{c} / {r}" for c, r in pairs) + " |",
-            "|" + "---|" * (len(names) + len(pairs) + 1)]
-    for i, row in enumerate(rows):
-        by = {(p["config"], p["reference"]): p for p in row["pairs"]}
-        cells = [str(row["concurrency"])]
-        cells += [f"{_lat(f) / 1000:.2f}" if (f := _level(results[n], i)) else "-" for n in names]
-        cells += [f"{by[k]['latency_ratio']:.2f}x" if k in by else "-" for k in pairs]
-        out.append("| " + " | ".join(cells) + " |")
+            "the router configuration answers faster):", ""]
+    out += table(lambda f: f"{_lat(f) / 1000:.2f}", "latency_ratio")
     return "\n".join(out) + "\n"
