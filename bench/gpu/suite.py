@@ -92,7 +92,7 @@ class Run:
         c = self.doc["ceilings"]
         return floors.bound(nbytes, flops, c["bw_gbps"], c["bf16_tflops"])
 
-    def floors(self, fl: dict) -> dict:
+    def floors_of(self, fl: dict) -> dict:
         """A record's floor and what bounds it, from its bytes and flops (floors.py)."""
         return {"floor_ms": self.floor(fl["bytes"], fl["flops"]), "bound": self.bound(fl["bytes"], fl["flops"])}
 
@@ -239,7 +239,7 @@ def moe_sweep(run: Run, model_name: str, tp: int, skews: list[float], with_prefi
                    "max_load": rt.max_load(), "expected_distinct_uniform": routing.expected_distinct_uniform(
                        n, m.experts, m.active), "kernel": kernel, "layers_rotated": R,
                    **per_copy(whole, R), "dense_ms": dpart["ms"] / R, "routed_ms": rpart["ms"] / R,
-                   **run.floors(fl), "floor_ms_int4": run.floor(fl["bytes_int4_experts"], fl["flops"]),
+                   **run.floors_of(fl), "floor_ms_int4": run.floor(fl["bytes_int4_experts"], fl["flops"]),
                    "dense_floor_ms": run.floor(fl["dense_bytes"], fl["dense_flops"]),
                    "routed_floor_ms": run.floor(fl["routed_bytes"], fl["routed_flops"]),
                    "routed_floor_ms_int4": run.floor(fl["routed_bytes_int4"], fl["routed_flops"]), **fl}
@@ -270,7 +270,7 @@ def dense_sweep(run: Run, model_name: str, tp: int, with_prefill: bool) -> None:
         t = K.timed(lambda x=x: [K.gqa_layer(x, dense[i], s) for i in range(R)], run.reps)
         fl = floors.dense_layer(s, n, m.hidden)
         rec = {"model": model_name, "tp": tp, "tokens": n, "layers_rotated": R, "kernel": "cuBLAS F.linear",
-               **per_copy(t, R), **run.floors(fl), **fl}
+               **per_copy(t, R), **run.floors_of(fl), **fl}
         run.doc["dense_layer"].append(rec)
         run.log(f"dense {model_name} tp{tp} n={n}: {rec['ms']:.3f} ms (floor {rec['floor_ms']:.3f})")
     if with_prefill:
@@ -350,7 +350,7 @@ def prefill_dense(run: Run, m, s: Slice, dense) -> None:
 def prefill_record(run: Run, m, s: Slice, T: int, t: dict, ta: dict, fl: dict, kernel: str, **extra) -> None:
     """One prompt length's figures (two rotated layer copies timed: the layer in `t`, its attention in `ta`)."""
     rec = {"model": m.name, "tp": s.tp, "tokens": T, "ms": t["ms"] / 2, "attn_ms": ta["ms"] / 2,
-           "ms_per_token": t["ms"] / 2 / T, "graph": t["graph"], **extra, **run.floors(fl), "kernel": kernel, **fl}
+           "ms_per_token": t["ms"] / 2 / T, "graph": t["graph"], **extra, **run.floors_of(fl), "kernel": kernel, **fl}
     run.doc["prefill"].append(rec)
     run.log(f"prefill {m.name} tp{s.tp} T={T}: {rec['ms']:.2f} ms ({1e3 * rec['ms_per_token']:.2f} us/token,"
             f" attention {rec['attn_ms']:.2f} ms; floor {rec['floor_ms']:.2f})")
@@ -481,7 +481,7 @@ def decode_attention(run: Run) -> None:
                     rec = {"model": model_name, "kind": kind, "tp": tp, "heads": s.heads, "kv_heads": s.kv_heads,
                            "batch": B, "context": T, "kernel": label, "copies": C, **per_copy(t, C),
                            "ms_per_ktoken": ms / (B * T / 1000), "layers": m.layers,
-                           "model_ms_per_ktoken": ms / (B * T / 1000) * m.layers, **run.floors(fl), **fl}
+                           "model_ms_per_ktoken": ms / (B * T / 1000) * m.layers, **run.floors_of(fl), **fl}
                     run.doc["decode_attention"].append(rec)
                     run.log(f"attn {model_name} tp{tp} B={B} T={T} [{label[:20]}]: {ms * 1e3:.1f} us/layer, "
                             f"{rec['ms_per_ktoken'] * 1e3:.2f} us/ktok/layer (floor {rec['floor_ms'] * 1e3:.1f} us)")
@@ -522,7 +522,7 @@ def draft(run: Run) -> None:
                         t = K.timed(fn, run.reps)
                         fl = floors.draft_pass(s, steps, hid)
                         rec = {"model": target, "tp": tp, "variant": name, "topk": topk, "steps": steps, "batch": B,
-                               "vocab": vocab, **per_copy(t, R), "copies": R, **run.floors(fl), **fl}
+                               "vocab": vocab, **per_copy(t, R), "copies": R, **run.floors_of(fl), **fl}
                         run.doc["draft"].append(rec)
                         run.log(f"draft {target} tp{tp} V={vocab} {name} B={B}: {rec['ms']:.3f} ms "
                                 f"(floor {rec['floor_ms']:.3f})")
