@@ -156,7 +156,8 @@ def test_after_the_upstream_is_done_only_the_write_deadline_is_left(clock):
 def test_a_client_that_stops_reading_is_cut_between_one_and_one_and_a_half_write_timeouts(clock, stops):
     """The router keeps writing; the client reads everything until `stops`, then nothing. mutmut: __init__ 5
     (`write_timeout * 2` between checks: cut too late), 11 (`_sent = None`) and 12 (`+math.inf`: no progress is
-    ever recorded), _check 21 (`sent = None`), 23 (`>=`: a stall read as progress), 25 (`now + sent_at`: cut at the first quiet check), 26 (`>`: one check later, past 1.5 x)."""
+    ever recorded), _check 21 (`sent = None`), 23 (`>=`: a stall read as progress), 25 (`now + sent_at`: cut at
+    the first quiet check), 26 (`>`: one check later, past 1.5 x)."""
     dog, client, upstream = make(clock, 100.0, 1.0, lambda t: int(100 * t) + 50, lambda t: int(100 * min(t, stops)))
     clock.run(until=stops + 0.999)
     assert client.aborted_at is None
