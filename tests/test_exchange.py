@@ -400,3 +400,162 @@ async def test_a_bad_pool_pin_names_the_pools(raw_backend_factory, router_factor
             "message": "X-Router-Pool must be one of speculative, baseline", "type": "invalid_request_error",
             "code": "invalid_pool"}})
     assert b.chat_hits() == 0
+
+
+# ---------------------------------------------------------------- written for the run at f60e691 (issue 27)
+
+CACHED_USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "buffered"])
+async def test_the_usage_and_its_cached_tokens_reach_the_seam_and_the_metrics(raw_backend_factory, router_factory,
+                                                                              stream):
+    """A usage with prompt_tokens_details.cached_tokens: the Observation carries the prompt and cached tokens and
+    the time-weighted in-flight mean (1: this request alone), and the cache-share counters count them per pool.
+    mutmut: end_upstream's Observation without inflight_mean / prompt_tokens / cached_tokens (None or the
+    argument dropped), `u.prompt if (u.seen) and False`; finish's cached_tokens and
+    cache_reported_prompt_tokens increments (no value, no metric, no pool, arguments dropped)."""
+    if stream:
+        body = sse_body(event("a"), event(usage=CACHED_USAGE), "[DONE]")
+        act = sse(body)
+    else:
+        act = json_answer(200, {"id": "r", "object": "chat.completion", "choices": [], "usage": CACHED_USAGE})
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM if stream else BODY) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert (obs.ok, obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (True, 7, 4, 3)
+    assert obs.inflight_mean == pytest.approx(1.0)
+    await poll(lambda: router.metric("router_requests_total", pool="speculative", backend=b.url, code="200") == 1, 10)
+    assert router.metric("router_cached_tokens_total", pool="speculative") == 4
+    assert router.metric("router_cache_reported_prompt_tokens_total", pool="speculative") == 7
+    assert router.metric("router_prompt_tokens_total", pool="speculative") == 7
+
+
+async def test_without_a_usage_no_token_counts_are_reported(raw_backend_factory, router_factory):
+    """No usage came: prompt, cached and completion tokens are None (not 0), and no cache counter moves.
+    mutmut: end_upstream `u.prompt if (u.seen) or True` (0 reported)."""
+    b = await raw_backend_factory({CHAT: sse(sse_body(event("a"), "[DONE]"))})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert (obs.ok, obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (True, None, None, None)
+    assert router.metric("router_cached_tokens_total", pool="speculative") == 0
+
+
+async def test_a_stream_whose_done_went_out_is_ok_though_the_backend_then_fails(raw_backend_factory, router_factory):
+    """[DONE] went out, then the backend resets the connection instead of ending the body: the client has the
+    whole answer, so the exchange is ok (the failure after it is still counted for the backend).
+    mutmut: stream's error path `end_upstream(None)` (ok False)."""
+    async def reset(c: Conn) -> None:
+        c.reset()
+
+    act, gate = lockstep(event("a"), "[DONE]", then=reset)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        got = await read_events(r, gate, 2)
+    assert got.startswith(sse_body(event("a"), "[DONE]"))
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert obs.ok is True and obs.chunks == 2
+    assert seam.attempts == [Attempt("ok", 200), Attempt("disconnected")]
+
+
+async def test_a_client_leaving_after_it_took_done_is_a_complete_answer(raw_backend_factory, router_factory):
+    """The client read [DONE] and left while the backend still held the body open: the answer was delivered, so
+    it counts as a 200 (no disconnect) and the backend's exchange is ok. mutmut: finish `end_upstream(None)`
+    (the delivered answer reported not ok)."""
+    async def hold(c: Conn) -> None:
+        await asyncio.Event().wait()
+
+    act, gate = lockstep(event("a"), "[DONE]", then=hold)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 60.0})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as r:
+            got = b""
+            while not got.endswith(b"data: [DONE]\n\n"):
+                got += await r.content.readany()
+                gate.set()
+            r.close()  # leave: the router's handler is cancelled
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert obs.ok is True
+    await poll(lambda: router.metric("router_requests_total", pool="speculative", backend=b.url, code="200") == 1, 10)
+    assert router.metric("router_client_disconnects_total", pool="speculative") == 0
+
+
+async def test_with_no_backend_at_all_the_503_says_so(raw_backend_factory, router_factory):
+    """The pools emptied at run time (discovery removed every member): a 503 with the bare message and an empty
+    probe report. mutmut: no_backend's message ternary forced to the summary (`or True`) and its text changed."""
+    b = await raw_backend_factory({})
+    router = await router_factory([b.url], [], **SETTINGS)
+    router.state.pools.remove_backend(b.url)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
+        assert (r.status, await r.json()) == (503, {"error": {
+            "message": "no healthy backend", "type": "service_unavailable", "code": "no_healthy_backend"},
+            "probes": {}})
+
+
+class FlushTransport:
+    """What flush() sees of the client's transport, recorded."""
+
+    def __init__(self, pending: int, closing: bool = False, closes_while_draining: bool = False) -> None:
+        self.pending, self.closing, self.closes_while_draining = pending, closing, closes_while_draining
+        self.limits = (16, 64)  # (low, high), as get_write_buffer_limits() returns them
+        self.calls: list = []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.pending
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.limits
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self.calls.append(("limits", high, low))
+
+
+class FlushWriter:
+    def __init__(self, transport: FlushTransport) -> None:
+        self.transport = transport
+
+    async def drain(self) -> None:
+        t = self.transport
+        t.calls.append(("drain", t.calls[-1] if t.calls else None))
+        t.pending = 0
+        t.closing = t.closes_while_draining
+
+
+@pytest.mark.parametrize("pending, closing, closes, calls", [
+    (0, False, False, []),  # nothing waits: nothing to do
+    (10, True, False, []),  # closing: its bytes go or it is aborted, not ours to wait for
+    (10, False, False, [("limits", 0, None), ("drain", ("limits", 0, None)), ("limits", 64, 16)]),
+    (10, False, True, [("limits", 0, None), ("drain", ("limits", 0, None))]),  # closed meanwhile: left alone
+], ids=["empty", "closing", "pending", "closed-while-draining"])
+async def test_the_final_flush_waits_for_an_empty_buffer_and_restores_the_limits(pending, closing, closes, calls):
+    """flush() after write_eof: with bytes waiting it sets the high-water mark to 0 (the writer pauses until the
+    buffer is empty), drains, and puts the transport's own limits back unless it closed meanwhile; nothing when
+    the buffer is empty or the transport is closing. A unit test: where the last bytes of a real stream lie when
+    write_eof returns depends on the kernel's buffers. mutmut: flush 1-10 (the guard's `and` / inverted test,
+    the limits read as None, high None / 1, the restore inverted or with high / low missing or None)."""
+    from router.exchange import flush
+
+    t = FlushTransport(pending, closing, closes)
+    await flush(FlushWriter(t), t)
+    assert t.calls == calls
