@@ -79,7 +79,7 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
-        self.first: bytes | None = None  # a stream's first chunk until stream() takes it
+        # self.first: a stream's first chunk, set by proxy() and taken by stream() (nothing reads it before)
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
         self.slot: str | None = None  # the backend whose connection slot this exchange holds

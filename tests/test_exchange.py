@@ -559,3 +559,102 @@ async def test_the_final_flush_waits_for_an_empty_buffer_and_restores_the_limits
     t = FlushTransport(pending, closing, closes)
     await flush(FlushWriter(t), t)
     assert t.calls == calls
+
+
+LONG_PROMPT = {**STREAM, "messages": [{"role": "user", "content": "a shared system prompt, " * 20}]}
+PREFIX = {**SETTINGS, "prefix_routing": True, "prefix_block_bytes": 64}
+
+
+async def test_prefix_routing_learns_from_each_finished_exchange(raw_backend_factory, router_factory):
+    """With prefix routing on, the finished exchange's placement goes back with its Observation: the pool's
+    prefill cost gets its first sample. mutmut: __init__ `placement = None`, end_upstream's report_done with
+    the placement None or dropped."""
+    body = sse_body(event("a"), event("b"), event(usage=CACHED_USAGE), "[DONE]")
+    b = await raw_backend_factory({CHAT: sse(body)})
+    router = await router_factory([b.url], [], **PREFIX)
+    affinity = router.state.pools.affinity
+    assert affinity.state()["pools"].get("speculative", {}).get("samples", 0) == 0
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=LONG_PROMPT) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: affinity.state()["pools"].get("speculative", {}).get("samples") == 1, 10)
+
+
+async def test_a_retried_request_leaves_its_prefix_on_the_backend_that_serves_it(raw_backend_factory,
+                                                                                 router_factory):
+    """The first backend tried closes before its headers; the retry's backend gets the prompt's blocks in the
+    prefix index, as the first choice did. mutmut: _retry's acquire_retry with the placement None or dropped."""
+    hits = []
+
+    async def first_resets(c: Conn) -> None:
+        hits.append(c)
+        if len(hits) == 1:
+            c.reset()
+            return
+        await sse(sse_body(event("a"), "[DONE]"))(c)
+
+    one, two = await raw_backend_factory({CHAT: first_resets}), await raw_backend_factory({CHAT: first_resets})
+    router = await router_factory([one.url, two.url], [], **{**PREFIX, "retries": 1})
+    index = router.state.pools.affinity.index
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=LONG_PROMPT) as r:
+        assert r.status == 200
+        await r.read()
+        served = r.headers["X-Router-Backend"]
+    tried = one.url if served == two.url else two.url
+    assert len(hits) == 2 and index.size(tried) > 0
+    assert index.size(served) == index.size(tried)
+
+
+async def test_a_client_leaving_before_the_first_whole_event_is_a_499(raw_backend_factory, router_factory):
+    """The headers went out with half an event; the client leaves while the backend is silent: a client
+    disconnect (499, counted), and the backend's exchange not ok. mutmut: __init__ `delivered = True` (the
+    leaving client then counted as a 200)."""
+    async def half_then_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: half_then_hold})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 60.0})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as r:
+            assert r.status == 200
+            r.close()
+    await poll(lambda: router.metric("router_client_disconnects_total", pool="speculative") == 1, 10)
+    assert router.metric("router_requests_total", pool="speculative", backend=b.url, code="499") == 1
+    (obs,) = seam.done
+    assert obs.ok is False
+
+
+async def test_a_retry_that_runs_out_of_time_waiting_for_a_place_is_a_clean_504(raw_backend_factory,
+                                                                               router_factory):
+    """One place per backend; `busy` streams to a first client and holds its place. A second request goes to
+    the idle `resets`, which closes before its headers; the retry to `busy` waits for a place until the first-byte
+    deadline: a clean 504, and every place is given back once. mutmut: give_slot `slot = ""` (the retry's
+    given-back place handed back again at the end: a KeyError instead of the 504)."""
+    async def stream_and_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(sse_body(event("a")))
+        await asyncio.Event().wait()
+
+    async def reset(c: Conn) -> None:
+        c.reset()
+
+    busy = await raw_backend_factory({CHAT: stream_and_hold})
+    resets = await raw_backend_factory({CHAT: reset})
+    router = await router_factory([busy.url, resets.url], [], **{
+        **SETTINGS, "retries": 1, "max_connections_per_backend": 1, "first_byte_timeout": 1.0,
+        "idle_timeout": 60.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        first = await s.post(router.url + CHAT, json=STREAM, headers={"X-Router-Pool": "speculative"})
+        if first.headers["X-Router-Backend"] != busy.url:  # it went to `resets` first and was retried: fine too
+            assert resets.chat_hits() == 1
+        assert first.status == 200 and busy.chat_hits() == 1
+        tried = resets.chat_hits()
+        async with s.post(router.url + CHAT, json=BODY) as r:
+            assert (r.status, (await r.json())["error"]["code"]) == (504, "upstream_timeout")
+            assert r.headers["X-Router-Backend"] == busy.url
+        assert resets.chat_hits() == tried + 1 and busy.chat_hits() == 1
+        first.close()
+    await router.wait_idle()
