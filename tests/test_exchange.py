@@ -658,3 +658,25 @@ async def test_a_retry_that_runs_out_of_time_waiting_for_a_place_is_a_clean_504(
         assert resets.chat_hits() == tried + 1 and busy.chat_hits() == 1
         first.close()
     await router.wait_idle()
+
+
+async def test_running_out_of_time_waiting_for_the_first_place_is_a_clean_504(raw_backend_factory, router_factory):
+    """One place, held by a stream; a second request waits for it until the first-byte deadline: a clean 504,
+    and no place is given back that was never taken. mutmut: __init__ `slot = ""` (a place given back for ""
+    at the end: a KeyError instead of the 504)."""
+    async def stream_and_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(sse_body(event("a")))
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: stream_and_hold})
+    router = await router_factory([b.url], [], **{**SETTINGS, "max_connections_per_backend": 1,
+                                                  "first_byte_timeout": 1.0, "idle_timeout": 60.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        first = await s.post(router.url + CHAT, json=STREAM)
+        assert first.status == 200
+        async with s.post(router.url + CHAT, json=BODY) as r:
+            assert (r.status, (await r.json())["error"]["code"]) == (504, "upstream_timeout")
+        assert b.chat_hits() == 1
+        first.close()
+    await router.wait_idle()
