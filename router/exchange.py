@@ -95,7 +95,9 @@ class Exchange:
         """True when the CancelledError being handled is cut_now()'s alone. cut_now()'s cancellation is taken
         back at most once: with a client disconnect pending too, a second call must not take back that one."""
         cut, self.cut = self.cut, False
-        return cut and self.task.uncancel() == 0
+        if not cut:
+            return False
+        return self.task.uncancel() == 0
 
     @property
     def pool(self) -> str:
