@@ -680,3 +680,47 @@ async def test_running_out_of_time_waiting_for_the_first_place_is_a_clean_504(ra
         assert b.chat_hits() == 1
         first.close()
     await router.wait_idle()
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_each_prefix_placement_is_counted_with_its_prompt_and_expected_cached_tokens(raw_backend_factory,
+                                                                                          router_factory, path):
+    """Prefix routing on (the default), a prompt of some 500 bytes in 64-byte blocks, twice: each placement counted
+    once under its pool and reason, the router's prompt-token estimate and the expected cached tokens (none the
+    first time, the whole prefix the second) added as the affinity computed them; a prompt too short to hash is
+    counted as a decision only. The prompt is read from `messages` (chat) or `prompt` (completions) in blocks of
+    prefix_block_bytes. mutmut: proxy's prompt None (or the ternary forced off), prompt_of without messages /
+    prompt / the block setting, place() without the prompt, `placement is None`, prefix_decisions with no pool
+    or reason, the prompt-token and expected-cached increments."""
+    b = await raw_backend_factory({path: json_answer(200, {"id": "r", "choices": []})})
+    router = await router_factory([b.url], [], **{**SETTINGS, "prefix_block_bytes": 64})
+    pools = router.state.pools
+    placements = []
+    place = pools.place
+
+    def recording(pinned=None, prompt=None):
+        got = place(pinned, prompt)
+        placements.append(got[2])
+        return got
+
+    pools.place = recording
+    text = "the same long system prompt, " * 17
+    body = {"model": "m", "max_tokens": 4, **({"messages": [{"role": "user", "content": text}]} if path == CHAT
+                                               else {"prompt": text})}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(router.url + path, json=body) as r:
+                assert r.status == 200
+        async with s.post(router.url + path, json={**body, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                             if path == CHAT else {"prompt": "hi"})}) as r:
+            assert r.status == 200
+    first, second, short = placements
+    assert first.prompt.hashed and short is not None and not short.prompt.hashed
+    assert (first.reason, second.reason) == ("single", "single")
+    assert first.prompt_tokens == second.prompt_tokens == int(first.prompt.nbytes / 4.0) > 0
+    assert first.expected_cached == 0 < second.expected_cached
+    m = router.metric
+    assert m("router_prefix_decisions_total", pool="speculative", reason="single") == 2
+    assert m("router_prefix_decisions_total", pool="speculative", reason=short.reason) == 1
+    assert m("router_prefix_prompt_tokens_total", pool="speculative") == 2 * first.prompt_tokens
+    assert m("router_prefix_expected_cached_tokens_total", pool="speculative") == second.expected_cached
