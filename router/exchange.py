@@ -368,7 +368,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     try:
         with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):
             resp, first, out = await ex.start(path, body, stream)
-        body = None  # sent: an open stream holds only what it still has to forward
+        del body  # sent: an open stream holds only what it still has to forward
         if first is not None:
             ex.first, first = first, None
             return await ex.stream(resp, strip=not client_wants_usage)
