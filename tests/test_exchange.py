@@ -4,7 +4,8 @@ stream's endings (trailing bytes, a stall after several chunks).
 
 Raw backends write each event only after the client has read the one before, so every event is its own read
 and the counts below are exact, whatever the machine's load. Each docstring names the mutmut mutants of
-router/exchange.py it kills (`bash scripts/mutation.sh router/exchange.py`).
+router/exchange.py it kills (`bash scripts/mutation.sh router/exchange.py`), numbered as in the run at f899a00
+(or, for the tests written then, by their diff).
 """
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     """Three events, each its own read, then usage and [DONE]: one Observation with chunks 5, a ttft within the
     exchange, ok and the usage's completion tokens; the inter-chunk gaps sum to less than the exchange took; the
     answer carries the backend's content type, no-cache and the pool/backend headers.
-    mutmut: stream 12-16 (Cache-Control), 58-60 (`chunks` = 1 / -= / += 2), 63 (`now + t0`), 66 (`now + last`),
-    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None), 115-118 (flush called
-    with no writer or transport: an error after the answer went out)."""
+    mutmut (numbers of the run at f899a00): stream 8-9 (Cache-Control's value), 45-47 (`chunks` = 1 / -= /
+    += 2), 50 (`now + t0`), 53 (`now + last`), 59-64 (done_sent: None, lstrip, the [DONE] text), 95
+    (end_upstream(None): ok None), 97-99 (flush without its transport or an argument: an error after the answer
+    went out)."""
     events = [event("a"), event("b"), event("c"), event(usage=USAGE), "[DONE]"]
     act, gate = lockstep(*events)
     b = await raw_backend_factory({CHAT: act})
@@ -131,7 +133,7 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
 async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, router_factory, body):
     """An answer that ends cleanly but without [DONE] was not finished by the backend (ok False), also when no
     whole event ever came (only the tail, forwarded at the end). Regression: with no whole event forwarded (no
-    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 27 (`done_sent = True`)."""
+    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 15 (`done_sent = True`)."""
     b = await raw_backend_factory({CHAT: sse(body)})
     router = await router_factory([b.url], [], **SETTINGS)
     seam = Seam(router)
@@ -144,7 +146,7 @@ async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, route
 
 async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
     """Half an event, then silence: the idle timeout in-band, and the exchange reported failed (it was reported
-    ok before the fix, having no ttft). mutmut: stream 27 (`done_sent = True`) on the error path."""
+    ok before the fix, having no ttft). mutmut: stream 15 (`done_sent = True`) on the error path."""
     async def half_then_stall(c: Conn) -> None:
         await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         await c.write_chunked(b'data: {"id":')
@@ -163,9 +165,9 @@ async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backe
 
 async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_backend_factory, router_factory):
     """Two events (two reads), then silence: the idle deadline still holds after later chunks, the stream ends
-    with the in-band timeout, and the exchange is reported failed. mutmut: stream 102 (`dog.last_chunk = None`:
-    the watchdog dies on its next check and the stream hangs), 92 (end_upstream(None) on the error path),
-    39 and 41 (the watchdog given no transport / no response)."""
+    with the in-band timeout, and the exchange is reported failed. mutmut: stream 84 (`dog.last_chunk = None`:
+    the watchdog dies on its next check and the stream hangs), 26 and 28 (the watchdog given no transport / no
+    response)."""
     async def stall(c: Conn) -> None:
         await asyncio.Event().wait()
 
@@ -188,7 +190,7 @@ async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_ba
 async def test_a_last_usage_event_without_its_blank_line_is_still_scanned(raw_backend_factory, router_factory,
                                                                         asked):
     """The stream's tail (no final blank line) is a usage-only event: counted, and stripped unless the client
-    asked for it. mutmut: stream 108 (scan_usage(buf, None, ...)), 109 (strip None: kept when not asked)."""
+    asked for it. mutmut: stream 90 (scan_usage(buf, None, ...)), 91 (strip None: kept when not asked)."""
     body = sse_body(event("a"), event(usage=USAGE), final_blank_line=False)
     b = await raw_backend_factory({CHAT: sse(body, piece=7)})
     router = await router_factory([b.url], [], **SETTINGS)
@@ -211,8 +213,8 @@ async def test_an_error_answer_mentioning_usage_counts_no_tokens(raw_backend_fac
 
 
 async def test_a_retry_is_a_decision_of_its_pool_and_reports_its_own_start(raw_backend_factory, router_factory):
-    """The first backend resets before its headers; the retry goes to the other pool's backend. mutmut: _retry 8
-    (inflight_at_start None), 11 and 12 (the decision counted under no pool / no reason)."""
+    """The first backend resets before its headers; the retry goes to the other pool's backend. mutmut: _retry 11
+    (inflight_at_start None), 14 and 15 (the decision counted under no pool / no reason)."""
     bad = await raw_backend_factory({CHAT: reset_before_headers()})
     good = await raw_backend_factory({CHAT: json_answer(200, {"choices": [], "usage": USAGE})})
     router = await router_factory([bad.url], [good.url], **{**SETTINGS, "retries": 1})
@@ -228,7 +230,7 @@ async def test_a_retry_is_a_decision_of_its_pool_and_reports_its_own_start(raw_b
 
 async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_factory, router_factory):
     """A garbage status line is a generic upstream error; the learning seam sees it as a disconnect, never as an
-    attempt of no kind. mutmut: upstream_failed 14 and 16 (`_ATTEMPT_KIND.get(kind, None / )`)."""
+    attempt of no kind. mutmut: upstream_failed 9 and 12 (no Attempt / `Attempt(None)`)."""
     async def garbage(c: Conn) -> None:
         await c.write(b"SPDY/9 what\r\n\r\n")
         await asyncio.sleep(0.5)
@@ -244,7 +246,7 @@ async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_f
 async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory, router_factory):
     """The router keeps reading the backend at its pace while a client reads nothing (writes never wait for the
     client below write_buffer_bytes): the backend finishes and the lease ends long before the 60 s write
-    timeout would cut the client. mutmut: stream 71 and 72 (the events written with aiohttp's default
+    timeout would cut the client. mutmut: write 4 and 5 (the events written with aiohttp's default
     `drain=True`: every 64 KiB the router waits for the client, so the backend waits too)."""
     sim = await sim_factory("baseline-tp8", speedup=1000.0)
     router = await router_factory(baseline=[sim.url], write_timeout=60.0, idle_timeout=60.0,
@@ -257,7 +259,7 @@ async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory
 async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backend_factory, router_factory):
     """Three streams in a row that stall after half an event are three consecutive failures: the backend is
     ejected and the next request goes to the other pool. Regression: each such stream was also reported ok
-    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 27
+    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 15
     (`done_sent = True`: the same wrong success, from the other side)."""
     async def half_then_stall(c: Conn) -> None:
         await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -289,7 +291,7 @@ async def test_content_type_and_accept_are_forwarded_or_defaulted(raw_backend_fa
                                                                   forwarded):
     """A client's Content-Type and Accept go to the backend as sent; missing, they default to JSON and */*.
     The exchange is then forgotten and its duration recorded under its pool, within the time it took.
-    mutmut: upstream_headers 6, 8, 9, 12, 13 and 18-24 (the two lookups and their defaults), finish 1
+    mutmut: upstream_headers 2-12 (the two lookups and their defaults), finish 1
     (`exchanges.discard(None)`: every exchange kept for ever), 16 and 19 (duration under no pool / `+ t0`)."""
     b = await raw_backend_factory({CHAT: json_answer(200, {"choices": []})})
     router = await router_factory([b.url], [], **SETTINGS)
@@ -370,7 +372,7 @@ async def test_only_a_200_event_stream_for_a_streamed_request_is_streamed(raw_ba
 async def test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503(raw_backend_factory,
                                                                                   router_factory):
     """Shutdown while the backend has not answered: at the drain deadline the client gets the router's 503
-    document with the pool headers, counted as a 503. mutmut: proxy 84-93 (the error None / its message, the
+    document with the pool headers, counted as a 503. mutmut: proxy 98-107 (the error None / its message, the
     code recorded, the response without the error or the headers)."""
     async def hang(c: Conn) -> None:
         await asyncio.Event().wait()
