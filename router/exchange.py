@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from router import health, upstream
 from router.body import read_body, with_usage
@@ -50,10 +50,10 @@ def pinned_pool(request: web.Request) -> str | None:
 
 def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
     # An allowlist: the client's Authorization and anything else it sent stay here.
-    headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
-               "Accept": request.headers.get("Accept", "*/*")}
+    headers = {hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
+               hdrs.ACCEPT: request.headers.get(hdrs.ACCEPT, "*/*")}
     if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+        headers[hdrs.AUTHORIZATION] = f"Bearer {api_key}"
     return headers
 
 
@@ -72,29 +72,31 @@ class Exchange:
         self.t0 = time.monotonic()
         self.usage = Usage()
         self.upstream: Response | None = None
-        self.task = asyncio.current_task()
+        task = asyncio.current_task()  # the handler's: an exchange lives inside it
+        assert task is not None
+        self.task = task
         self.inflight_at_start = lease.backend.inflight
         self.ttft: float | None = None
         self.chunks = 0
         self.cut = False  # set when the drain ended before this exchange did
-        self.first: bytes | None = None  # a stream's first chunk until stream() takes it
+        # self.first: a stream's first chunk, set by proxy() and taken by stream() (nothing reads it before)
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
         self.slot: str | None = None  # the backend whose connection slot this exchange holds
         st.exchanges.add(self)
 
     def cut_now(self) -> None:
-        """The drain is over: stop this exchange so it can answer with an explicit error."""
-        if not self.cut and self.task is not None and not self.task.done():
-            self.cut = True
-            self.task.cancel()
+        """The drain is over: stop this exchange so it can answer with an explicit error. Called once (cut_all
+        runs once), and only while the exchange is open (finish() takes it out of st.exchanges)."""
+        self.cut = True
+        self.task.cancel()
 
     def absorb_cut(self) -> bool:
         """True when the CancelledError being handled is cut_now()'s alone. cut_now()'s cancellation is taken
         back at most once: with a client disconnect pending too, a second call must not take back that one."""
-        if not self.cut or self.task is None:
+        cut, self.cut = self.cut, False
+        if not cut:
             return False
-        self.cut = False
         return self.task.uncancel() == 0
 
     @property
@@ -192,7 +194,7 @@ class Exchange:
             self.usage.take(usage_view(body))
         headers = self.headers()
         if resp.ctype is not None:
-            headers["Content-Type"] = resp.ctype
+            headers[hdrs.CONTENT_TYPE] = resp.ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def stream(self, resp: Response, strip: bool) -> web.StreamResponse:
@@ -207,9 +209,10 @@ class Exchange:
         s = self.st.settings
         url = self.lease.backend.url
         cap = s.write_buffer_bytes
-        headers = {**self.headers(), "Content-Type": resp.ctype or "text/event-stream",
-                   "Cache-Control": "no-cache"}
-        out = web.StreamResponse(status=resp.status, headers=headers)
+        # Only a 200 with a text/event-stream Content-Type is streamed (start()), so both are known here.
+        assert resp.ctype is not None
+        out = web.StreamResponse(headers={**self.headers(), hdrs.CONTENT_TYPE: resp.ctype,
+                                          hdrs.CACHE_CONTROL: "no-cache"})
         buf = b""
         last = None
         chunk, self.first = self.first, None
@@ -217,8 +220,9 @@ class Exchange:
         try:
             writer = await out.prepare(self.request)
             transport = self.request.transport
-            assert writer is not None and transport is not None
-            self.code = str(resp.status)
+            assert writer is not None
+            assert transport is not None
+            self.code = str(out.status)
             self.watchdog = dog = Watchdog(s.idle_timeout, s.write_timeout, transport, writer, resp)
             while chunk:
                 events, buf = split_events(buf + chunk)
@@ -233,29 +237,28 @@ class Exchange:
                     else:
                         m.itl_by_pool[self.pool].observe(now - last)
                     last = now
-                    await writer.write(events, drain=False)
+                    await write(writer, events)
                     done_sent = events.rstrip().endswith(b"data: [DONE]")
                     # The kernel took it all: the client has the whole answer even if it leaves now.
                     self.delivered = done_sent and not transport.get_write_buffer_size()
                     if transport.get_write_buffer_size() > cap:
                         await writer.drain()  # the client is that far behind: let the backend wait too
-                events = chunk = None  # forwarded: an idle stream holds no bytes while it waits
+                del events, chunk  # forwarded: an idle stream holds no bytes while it waits
                 try:
                     chunk = await upstream.read_chunk(resp, url, IDLE)
                 except UpstreamError as err:
                     # Headers went out already: tell the client in-band, then end the stream cleanly.
                     self.upstream_failed(err)
                     self.end_upstream(done_sent)
-                    await writer.write(sse_error_event(err), drain=False)
-                    buf = b""
-                    break
+                    await write(writer, sse_error_event(err))
+                    break  # what is left in buf is dropped
                 dog.last_chunk = time.monotonic()
-            if buf:
-                await writer.write(scan_usage(buf, self.usage, strip), drain=False)
+            else:
+                if buf:  # the backend's last bytes, without a blank line after them
+                    await write(writer, scan_usage(buf, self.usage, strip))
             self.end_upstream(done_sent)
             await out.write_eof()
             await flush(writer, transport)
-            self.delivered = self.delivered or done_sent
         except ConnectionError:
             if not self.delivered:
                 self.code = CLIENT_CLOSED  # the client went away while we wrote to it
@@ -272,7 +275,7 @@ class Exchange:
                 self.code = CLIENT_CLOSED
         return out
 
-    def end_upstream(self, complete: bool = False) -> None:
+    def end_upstream(self, complete: bool) -> None:
         """The backend's part is over (answered, failed or abandoned): report it and release the lease, once."""
         if self.lease.released:
             return
@@ -285,7 +288,7 @@ class Exchange:
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached if u.seen else None), self.placement)
+            u.prompt if u.seen else None, u.cached), self.placement)  # cached: None until a usage came
         self.lease.release()
         self.give_slot()
         if self.upstream is not None:
@@ -313,6 +316,12 @@ class Exchange:
                 m.child(m.cache_reported_prompt_tokens, b.pool).inc(self.usage.prompt)
         if self.code == CLIENT_CLOSED:
             m.child(m.disconnects, b.pool).inc()
+
+
+def write(writer, data: bytes):
+    """A stream's writes never wait for the client (up to write_buffer_bytes, stream()), so the upstream is read at
+    the backend's pace; the watchdog bounds a client that stops reading."""
+    return writer.write(data, drain=False)
 
 
 async def flush(writer, transport: asyncio.BaseTransport) -> None:
@@ -359,7 +368,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     try:
         with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):
             resp, first, out = await ex.start(path, body, stream)
-        body = None  # sent: an open stream holds only what it still has to forward
+        del body  # sent: an open stream holds only what it still has to forward
         if first is not None:
             ex.first, first = first, None
             return await ex.stream(resp, strip=not client_wants_usage)

@@ -3,6 +3,7 @@ for the backend's idle gap and the client's write stall."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 
@@ -16,31 +17,30 @@ class FirstByteDeadline:
     asyncio.timeout context); a cancellation from elsewhere (a client leaving, the drain) passes through, as
     asyncio.timeout decides it."""
 
-    __slots__ = ("_task", "_cancelling", "_handle", "_late", "_expired")
+    __slots__ = ("_task", "_cancelling", "_handle", "_expired")
 
     def __init__(self, timeout: float, expired: Callable[[], UpstreamError]) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._cancelling = task.cancelling()  # cancellations already pending when it was armed
-        self._late = False
         self._expired = expired
-        self._handle = asyncio.get_running_loop().call_later(timeout, self._fire)
+        # None once it has fired: that cancellation is the deadline's own.
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(timeout, self._fire)
 
     def _fire(self) -> None:
         if not self._task.done():
-            self._late = True
+            self._handle = None
             self._task.cancel()
 
     def __enter__(self) -> FirstByteDeadline:
         return self
 
     def __exit__(self, et, exc, tb) -> None:
-        self._handle.cancel()
-        if et is asyncio.CancelledError and self._late:
-            self._late = False
-            if self._task.uncancel() <= self._cancelling:
-                raise self._expired() from None
+        if self._handle is not None:
+            self._handle.cancel()
+        elif et is asyncio.CancelledError and self._task.uncancel() <= self._cancelling:
+            raise self._expired() from None
 
 
 class Watchdog:
@@ -64,10 +64,10 @@ class Watchdog:
         self._transport = transport
         self._writer = writer
         self._resp: Response | None = resp
-        now = time.monotonic()
-        self.last_chunk = now
-        self._sent = -1
-        self._sent_at = now
+        self.last_chunk = time.monotonic()
+        # Bytes the kernel had taken at the last recorded progress, and when (`_sent_at`, set by that record):
+        # below any count, so the first check with bytes waiting records.
+        self._sent = -math.inf
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(min(idle, self._tick), self._check)
 
     def upstream_done(self) -> None:
@@ -93,11 +93,9 @@ class Watchdog:
         pending = self._transport.get_write_buffer_size() if not self._transport.is_closing() else 0
         if pending:
             sent = self._writer.output_size - pending  # bytes the kernel has taken so far
-            if sent != self._sent:
+            if sent > self._sent:  # it only grows; an empty buffer in between means it grew
                 self._sent, self._sent_at = sent, now
             elif now - self._sent_at >= self._write_timeout:
                 self._transport.abort()
                 return
-        else:
-            self._sent_at = now
         self._handle = self._loop.call_later(wait, self._check)

@@ -4,7 +4,8 @@ stream's endings (trailing bytes, a stall after several chunks).
 
 Raw backends write each event only after the client has read the one before, so every event is its own read
 and the counts below are exact, whatever the machine's load. Each docstring names the mutmut mutants of
-router/exchange.py it kills (`bash scripts/mutation.sh router/exchange.py`).
+router/exchange.py it kills (`bash scripts/mutation.sh router/exchange.py`), numbered as in the run at f899a00
+(or, for the tests written then, by their diff).
 """
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     """Three events, each its own read, then usage and [DONE]: one Observation with chunks 5, a ttft within the
     exchange, ok and the usage's completion tokens; the inter-chunk gaps sum to less than the exchange took; the
     answer carries the backend's content type, no-cache and the pool/backend headers.
-    mutmut: stream 12-16 (Cache-Control), 58-60 (`chunks` = 1 / -= / += 2), 63 (`now + t0`), 66 (`now + last`),
-    73-78 (done_sent: None, lstrip, the [DONE] text), 114 (end_upstream(None): ok None), 115-118 (flush called
-    with no writer or transport: an error after the answer went out)."""
+    mutmut (numbers of the run at f899a00): stream 8-9 (Cache-Control's value), 45-47 (`chunks` = 1 / -= /
+    += 2), 50 (`now + t0`), 53 (`now + last`), 59-64 (done_sent: None, lstrip, the [DONE] text), 95
+    (end_upstream(None): ok None), 97-99 (flush without its transport or an argument: an error after the answer
+    went out)."""
     events = [event("a"), event("b"), event("c"), event(usage=USAGE), "[DONE]"]
     act, gate = lockstep(*events)
     b = await raw_backend_factory({CHAT: act})
@@ -131,7 +133,7 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
 async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, router_factory, body):
     """An answer that ends cleanly but without [DONE] was not finished by the backend (ok False), also when no
     whole event ever came (only the tail, forwarded at the end). Regression: with no whole event forwarded (no
-    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 27 (`done_sent = True`)."""
+    ttft) a stream was reported ok, as if it were a buffered answer. mutmut: stream 15 (`done_sent = True`)."""
     b = await raw_backend_factory({CHAT: sse(body)})
     router = await router_factory([b.url], [], **SETTINGS)
     seam = Seam(router)
@@ -144,7 +146,7 @@ async def test_a_stream_ending_without_done_is_not_ok(raw_backend_factory, route
 
 async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backend_factory, router_factory):
     """Half an event, then silence: the idle timeout in-band, and the exchange reported failed (it was reported
-    ok before the fix, having no ttft). mutmut: stream 27 (`done_sent = True`) on the error path."""
+    ok before the fix, having no ttft). mutmut: stream 15 (`done_sent = True`) on the error path."""
     async def half_then_stall(c: Conn) -> None:
         await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         await c.write_chunked(b'data: {"id":')
@@ -163,9 +165,9 @@ async def test_a_stream_failing_before_its_first_whole_event_is_not_ok(raw_backe
 
 async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_backend_factory, router_factory):
     """Two events (two reads), then silence: the idle deadline still holds after later chunks, the stream ends
-    with the in-band timeout, and the exchange is reported failed. mutmut: stream 102 (`dog.last_chunk = None`:
-    the watchdog dies on its next check and the stream hangs), 92 (end_upstream(None) on the error path),
-    39 and 41 (the watchdog given no transport / no response)."""
+    with the in-band timeout, and the exchange is reported failed. mutmut: stream 84 (`dog.last_chunk = None`:
+    the watchdog dies on its next check and the stream hangs), 26 and 28 (the watchdog given no transport / no
+    response)."""
     async def stall(c: Conn) -> None:
         await asyncio.Event().wait()
 
@@ -188,7 +190,7 @@ async def test_a_stall_after_several_chunks_is_an_idle_timeout_and_not_ok(raw_ba
 async def test_a_last_usage_event_without_its_blank_line_is_still_scanned(raw_backend_factory, router_factory,
                                                                         asked):
     """The stream's tail (no final blank line) is a usage-only event: counted, and stripped unless the client
-    asked for it. mutmut: stream 108 (scan_usage(buf, None, ...)), 109 (strip None: kept when not asked)."""
+    asked for it. mutmut: stream 90 (scan_usage(buf, None, ...)), 91 (strip None: kept when not asked)."""
     body = sse_body(event("a"), event(usage=USAGE), final_blank_line=False)
     b = await raw_backend_factory({CHAT: sse(body, piece=7)})
     router = await router_factory([b.url], [], **SETTINGS)
@@ -211,8 +213,8 @@ async def test_an_error_answer_mentioning_usage_counts_no_tokens(raw_backend_fac
 
 
 async def test_a_retry_is_a_decision_of_its_pool_and_reports_its_own_start(raw_backend_factory, router_factory):
-    """The first backend resets before its headers; the retry goes to the other pool's backend. mutmut: _retry 8
-    (inflight_at_start None), 11 and 12 (the decision counted under no pool / no reason)."""
+    """The first backend resets before its headers; the retry goes to the other pool's backend. mutmut: _retry 11
+    (inflight_at_start None), 14 and 15 (the decision counted under no pool / no reason)."""
     bad = await raw_backend_factory({CHAT: reset_before_headers()})
     good = await raw_backend_factory({CHAT: json_answer(200, {"choices": [], "usage": USAGE})})
     router = await router_factory([bad.url], [good.url], **{**SETTINGS, "retries": 1})
@@ -228,7 +230,7 @@ async def test_a_retry_is_a_decision_of_its_pool_and_reports_its_own_start(raw_b
 
 async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_factory, router_factory):
     """A garbage status line is a generic upstream error; the learning seam sees it as a disconnect, never as an
-    attempt of no kind. mutmut: upstream_failed 14 and 16 (`_ATTEMPT_KIND.get(kind, None / )`)."""
+    attempt of no kind. mutmut: upstream_failed 9 and 12 (no Attempt / `Attempt(None)`)."""
     async def garbage(c: Conn) -> None:
         await c.write(b"SPDY/9 what\r\n\r\n")
         await asyncio.sleep(0.5)
@@ -244,7 +246,7 @@ async def test_an_unclassified_failure_is_reported_as_a_disconnect(raw_backend_f
 async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory, router_factory):
     """The router keeps reading the backend at its pace while a client reads nothing (writes never wait for the
     client below write_buffer_bytes): the backend finishes and the lease ends long before the 60 s write
-    timeout would cut the client. mutmut: stream 71 and 72 (the events written with aiohttp's default
+    timeout would cut the client. mutmut: write 4 and 5 (the events written with aiohttp's default
     `drain=True`: every 64 KiB the router waits for the client, so the backend waits too)."""
     sim = await sim_factory("baseline-tp8", speedup=1000.0)
     router = await router_factory(baseline=[sim.url], write_timeout=60.0, idle_timeout=60.0,
@@ -257,7 +259,7 @@ async def test_a_client_that_stops_reading_does_not_hold_the_backend(sim_factory
 async def test_streams_that_stall_before_their_first_whole_event_eject(raw_backend_factory, router_factory):
     """Three streams in a row that stall after half an event are three consecutive failures: the backend is
     ejected and the next request goes to the other pool. Regression: each such stream was also reported ok
-    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 27
+    (no ttft), a success that reset the failure streak, so the backend was never ejected. mutmut: stream 15
     (`done_sent = True`: the same wrong success, from the other side)."""
     async def half_then_stall(c: Conn) -> None:
         await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -289,7 +291,7 @@ async def test_content_type_and_accept_are_forwarded_or_defaulted(raw_backend_fa
                                                                   forwarded):
     """A client's Content-Type and Accept go to the backend as sent; missing, they default to JSON and */*.
     The exchange is then forgotten and its duration recorded under its pool, within the time it took.
-    mutmut: upstream_headers 6, 8, 9, 12, 13 and 18-24 (the two lookups and their defaults), finish 1
+    mutmut: upstream_headers 2-12 (the two lookups and their defaults), finish 1
     (`exchanges.discard(None)`: every exchange kept for ever), 16 and 19 (duration under no pool / `+ t0`)."""
     b = await raw_backend_factory({CHAT: json_answer(200, {"choices": []})})
     router = await router_factory([b.url], [], **SETTINGS)
@@ -370,7 +372,7 @@ async def test_only_a_200_event_stream_for_a_streamed_request_is_streamed(raw_ba
 async def test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503(raw_backend_factory,
                                                                                   router_factory):
     """Shutdown while the backend has not answered: at the drain deadline the client gets the router's 503
-    document with the pool headers, counted as a 503. mutmut: proxy 84-93 (the error None / its message, the
+    document with the pool headers, counted as a 503. mutmut: proxy 98-107 (the error None / its message, the
     code recorded, the response without the error or the headers)."""
     async def hang(c: Conn) -> None:
         await asyncio.Event().wait()
@@ -400,3 +402,327 @@ async def test_a_bad_pool_pin_names_the_pools(raw_backend_factory, router_factor
             "message": "X-Router-Pool must be one of speculative, baseline", "type": "invalid_request_error",
             "code": "invalid_pool"}})
     assert b.chat_hits() == 0
+
+
+# ---------------------------------------------------------------- written for the run at f60e691 (issue 27)
+
+CACHED_USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "buffered"])
+async def test_the_usage_and_its_cached_tokens_reach_the_seam_and_the_metrics(raw_backend_factory, router_factory,
+                                                                              stream):
+    """A usage with prompt_tokens_details.cached_tokens: the Observation carries the prompt and cached tokens and
+    the time-weighted in-flight mean (1: this request alone), and the cache-share counters count them per pool.
+    mutmut: end_upstream's Observation without inflight_mean / prompt_tokens / cached_tokens (None or the
+    argument dropped), `u.prompt if (u.seen) and False`; finish's cached_tokens and
+    cache_reported_prompt_tokens increments (no value, no metric, no pool, arguments dropped)."""
+    if stream:
+        body = sse_body(event("a"), event(usage=CACHED_USAGE), "[DONE]")
+        act = sse(body)
+    else:
+        act = json_answer(200, {"id": "r", "object": "chat.completion", "choices": [], "usage": CACHED_USAGE})
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM if stream else BODY) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert (obs.ok, obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (True, 7, 4, 3)
+    assert obs.inflight_mean == pytest.approx(1.0)
+    await poll(lambda: router.metric("router_requests_total", pool="speculative", backend=b.url, code="200") == 1, 10)
+    assert router.metric("router_cached_tokens_total", pool="speculative") == 4
+    assert router.metric("router_cache_reported_prompt_tokens_total", pool="speculative") == 7
+    assert router.metric("router_prompt_tokens_total", pool="speculative") == 7
+
+
+async def test_without_a_usage_no_token_counts_are_reported(raw_backend_factory, router_factory):
+    """No usage came: prompt, cached and completion tokens are None (not 0), and no cache counter moves.
+    mutmut: end_upstream `u.prompt if (u.seen) or True` (0 reported)."""
+    b = await raw_backend_factory({CHAT: sse(sse_body(event("a"), "[DONE]"))})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert (obs.ok, obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (True, None, None, None)
+    assert router.metric("router_cached_tokens_total", pool="speculative") == 0
+
+
+async def test_a_stream_whose_done_went_out_is_ok_though_the_backend_then_fails(raw_backend_factory, router_factory):
+    """[DONE] went out, then the backend resets the connection instead of ending the body: the client has the
+    whole answer, so the exchange is ok (the failure after it is still counted for the backend).
+    mutmut: stream's error path `end_upstream(None)` (ok False)."""
+    async def reset(c: Conn) -> None:
+        c.reset()
+
+    act, gate = lockstep(event("a"), "[DONE]", then=reset)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s, \
+            s.post(router.url + CHAT, json=STREAM) as r:
+        got = await read_events(r, gate, 2)
+    assert got.startswith(sse_body(event("a"), "[DONE]"))
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert obs.ok is True and obs.chunks == 2
+    assert seam.attempts == [Attempt("ok", 200), Attempt("disconnected")]
+
+
+async def test_a_client_leaving_after_it_took_done_is_a_complete_answer(raw_backend_factory, router_factory):
+    """The client read [DONE] and left while the backend still held the body open: the answer was delivered, so
+    it counts as a 200 (no disconnect) and the backend's exchange is ok. mutmut: finish `end_upstream(None)`
+    (the delivered answer reported not ok)."""
+    async def hold(c: Conn) -> None:
+        await asyncio.Event().wait()
+
+    act, gate = lockstep(event("a"), "[DONE]", then=hold)
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 60.0})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as r:
+            got = b""
+            while not got.endswith(b"data: [DONE]\n\n"):
+                got += await r.content.readany()
+                gate.set()
+            r.close()  # leave: the router's handler is cancelled
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert obs.ok is True
+    await poll(lambda: router.metric("router_requests_total", pool="speculative", backend=b.url, code="200") == 1, 10)
+    assert router.metric("router_client_disconnects_total", pool="speculative") == 0
+
+
+async def test_with_no_backend_at_all_the_503_says_so(raw_backend_factory, router_factory):
+    """The pools emptied at run time (discovery removed every member): a 503 with the bare message and an empty
+    probe report. mutmut: no_backend's message ternary forced to the summary (`or True`) and its text changed."""
+    b = await raw_backend_factory({})
+    router = await router_factory([b.url], [], **SETTINGS)
+    router.state.pools.remove_backend(b.url)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=BODY) as r:
+        assert (r.status, await r.json()) == (503, {"error": {
+            "message": "no healthy backend", "type": "service_unavailable", "code": "no_healthy_backend"},
+            "probes": {}})
+
+
+class FlushTransport:
+    """What flush() sees of the client's transport, recorded."""
+
+    def __init__(self, pending: int, closing: bool = False, closes_while_draining: bool = False) -> None:
+        self.pending, self.closing, self.closes_while_draining = pending, closing, closes_while_draining
+        self.limits = (16, 64)  # (low, high), as get_write_buffer_limits() returns them
+        self.calls: list = []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.pending
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.limits
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self.calls.append(("limits", high, low))
+
+
+class FlushWriter:
+    def __init__(self, transport: FlushTransport) -> None:
+        self.transport = transport
+
+    async def drain(self) -> None:
+        t = self.transport
+        t.calls.append(("drain", t.calls[-1] if t.calls else None))
+        t.pending = 0
+        t.closing = t.closes_while_draining
+
+
+@pytest.mark.parametrize("pending, closing, closes, calls", [
+    (0, False, False, []),  # nothing waits: nothing to do
+    (10, True, False, []),  # closing: its bytes go or it is aborted, not ours to wait for
+    (10, False, False, [("limits", 0, None), ("drain", ("limits", 0, None)), ("limits", 64, 16)]),
+    (10, False, True, [("limits", 0, None), ("drain", ("limits", 0, None))]),  # closed meanwhile: left alone
+], ids=["empty", "closing", "pending", "closed-while-draining"])
+async def test_the_final_flush_waits_for_an_empty_buffer_and_restores_the_limits(pending, closing, closes, calls):
+    """flush() after write_eof: with bytes waiting it sets the high-water mark to 0 (the writer pauses until the
+    buffer is empty), drains, and puts the transport's own limits back unless it closed meanwhile; nothing when
+    the buffer is empty or the transport is closing. A unit test: where the last bytes of a real stream lie when
+    write_eof returns depends on the kernel's buffers. mutmut: flush 1-10 (the guard's `and` / inverted test,
+    the limits read as None, high None / 1, the restore inverted or with high / low missing or None)."""
+    from router.exchange import flush
+
+    t = FlushTransport(pending, closing, closes)
+    await flush(FlushWriter(t), t)
+    assert t.calls == calls
+
+
+LONG_PROMPT = {**STREAM, "messages": [{"role": "user", "content": "a shared system prompt, " * 20}]}
+PREFIX = {**SETTINGS, "prefix_routing": True, "prefix_block_bytes": 64}
+
+
+async def test_prefix_routing_learns_from_each_finished_exchange(raw_backend_factory, router_factory):
+    """With prefix routing on, the finished exchange's placement goes back with its Observation: the pool's
+    prefill cost gets its first sample. mutmut: __init__ `placement = None`, end_upstream's report_done with
+    the placement None or dropped."""
+    body = sse_body(event("a"), event("b"), event(usage=CACHED_USAGE), "[DONE]")
+    b = await raw_backend_factory({CHAT: sse(body)})
+    router = await router_factory([b.url], [], **PREFIX)
+    affinity = router.state.pools.affinity
+    assert affinity.state()["pools"].get("speculative", {}).get("samples", 0) == 0
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=LONG_PROMPT) as r:
+        assert r.status == 200
+        await r.read()
+    await poll(lambda: affinity.state()["pools"].get("speculative", {}).get("samples") == 1, 10)
+
+
+async def test_a_retried_request_leaves_its_prefix_on_the_backend_that_serves_it(raw_backend_factory,
+                                                                                 router_factory):
+    """The first backend tried closes before its headers; the retry's backend gets the prompt's blocks in the
+    prefix index, as the first choice did. mutmut: _retry's acquire_retry with the placement None or dropped."""
+    hits = []
+
+    async def first_resets(c: Conn) -> None:
+        hits.append(c)
+        if len(hits) == 1:
+            c.reset()
+            return
+        await sse(sse_body(event("a"), "[DONE]"))(c)
+
+    one, two = await raw_backend_factory({CHAT: first_resets}), await raw_backend_factory({CHAT: first_resets})
+    router = await router_factory([one.url, two.url], [], **{**PREFIX, "retries": 1})
+    index = router.state.pools.affinity.index
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=LONG_PROMPT) as r:
+        assert r.status == 200
+        await r.read()
+        served = r.headers["X-Router-Backend"]
+    tried = one.url if served == two.url else two.url
+    assert len(hits) == 2 and index.size(tried) > 0
+    assert index.size(served) == index.size(tried)
+
+
+async def test_a_client_leaving_before_the_first_whole_event_is_a_499(raw_backend_factory, router_factory):
+    """The headers went out with half an event; the client leaves while the backend is silent: a client
+    disconnect (499, counted), and the backend's exchange not ok. mutmut: __init__ `delivered = True` (the
+    leaving client then counted as a 200)."""
+    async def half_then_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(b'data: {"id":')
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: half_then_hold})
+    router = await router_factory([b.url], [], **{**SETTINGS, "idle_timeout": 60.0})
+    seam = Seam(router)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as r:
+            assert r.status == 200
+            r.close()
+    await poll(lambda: router.metric("router_client_disconnects_total", pool="speculative") == 1, 10)
+    assert router.metric("router_requests_total", pool="speculative", backend=b.url, code="499") == 1
+    (obs,) = seam.done
+    assert obs.ok is False
+
+
+async def test_a_retry_that_runs_out_of_time_waiting_for_a_place_is_a_clean_504(raw_backend_factory,
+                                                                               router_factory):
+    """One place per backend; `busy` streams to a first client and holds its place. A second request goes to
+    the idle `resets`, which closes before its headers; the retry to `busy` waits for a place until the first-byte
+    deadline: a clean 504, and every place is given back once. mutmut: give_slot `slot = ""` (the retry's
+    given-back place handed back again at the end: a KeyError instead of the 504)."""
+    async def stream_and_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(sse_body(event("a")))
+        await asyncio.Event().wait()
+
+    async def reset(c: Conn) -> None:
+        c.reset()
+
+    busy = await raw_backend_factory({CHAT: stream_and_hold})
+    resets = await raw_backend_factory({CHAT: reset})
+    router = await router_factory([busy.url, resets.url], [], **{
+        **SETTINGS, "retries": 1, "max_connections_per_backend": 1, "first_byte_timeout": 1.0,
+        "idle_timeout": 60.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        first = await s.post(router.url + CHAT, json=STREAM, headers={"X-Router-Pool": "speculative"})
+        if first.headers["X-Router-Backend"] != busy.url:  # it went to `resets` first and was retried: fine too
+            assert resets.chat_hits() == 1
+        assert first.status == 200 and busy.chat_hits() == 1
+        tried = resets.chat_hits()
+        async with s.post(router.url + CHAT, json=BODY) as r:
+            assert (r.status, (await r.json())["error"]["code"]) == (504, "upstream_timeout")
+            assert r.headers["X-Router-Backend"] == busy.url
+        assert resets.chat_hits() == tried + 1 and busy.chat_hits() == 1
+        first.close()
+    await router.wait_idle()
+
+
+async def test_running_out_of_time_waiting_for_the_first_place_is_a_clean_504(raw_backend_factory, router_factory):
+    """One place, held by a stream; a second request waits for it until the first-byte deadline: a clean 504,
+    and no place is given back that was never taken. mutmut: __init__ `slot = ""` (a place given back for ""
+    at the end: a KeyError instead of the 504)."""
+    async def stream_and_hold(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(sse_body(event("a")))
+        await asyncio.Event().wait()
+
+    b = await raw_backend_factory({CHAT: stream_and_hold})
+    router = await router_factory([b.url], [], **{**SETTINGS, "max_connections_per_backend": 1,
+                                                  "first_byte_timeout": 1.0, "idle_timeout": 60.0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        first = await s.post(router.url + CHAT, json=STREAM)
+        assert first.status == 200
+        async with s.post(router.url + CHAT, json=BODY) as r:
+            assert (r.status, (await r.json())["error"]["code"]) == (504, "upstream_timeout")
+        assert b.chat_hits() == 1
+        first.close()
+    await router.wait_idle()
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_each_prefix_placement_is_counted_with_its_prompt_and_expected_cached_tokens(raw_backend_factory,
+                                                                                          router_factory, path):
+    """Prefix routing on (the default), a prompt of some 500 bytes in 64-byte blocks, twice: each placement counted
+    once under its pool and reason, the router's prompt-token estimate and the expected cached tokens (none the
+    first time, the whole prefix the second) added as the affinity computed them; a prompt too short to hash is
+    counted as a decision only. The prompt is read from `messages` (chat) or `prompt` (completions) in blocks of
+    prefix_block_bytes. mutmut: proxy's prompt None (or the ternary forced off), prompt_of without messages /
+    prompt / the block setting, place() without the prompt, `placement is None`, prefix_decisions with no pool
+    or reason, the prompt-token and expected-cached increments."""
+    b = await raw_backend_factory({path: json_answer(200, {"id": "r", "choices": []})})
+    router = await router_factory([b.url], [], **{**SETTINGS, "prefix_block_bytes": 64})
+    pools = router.state.pools
+    placements = []
+    place = pools.place
+
+    def recording(pinned=None, prompt=None):
+        got = place(pinned, prompt)
+        placements.append(got[2])
+        return got
+
+    pools.place = recording
+    text = "the same long system prompt, " * 17
+    body = {"model": "m", "max_tokens": 4, **({"messages": [{"role": "user", "content": text}]} if path == CHAT
+                                               else {"prompt": text})}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(router.url + path, json=body) as r:
+                assert r.status == 200
+        async with s.post(router.url + path, json={**body, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                             if path == CHAT else {"prompt": "hi"})}) as r:
+            assert r.status == 200
+    first, second, short = placements
+    assert first.prompt.hashed and short is not None and not short.prompt.hashed
+    assert (first.reason, second.reason) == ("single", "single")
+    assert first.prompt_tokens == second.prompt_tokens == int(first.prompt.nbytes / 4.0) > 0
+    assert first.expected_cached == 0 < second.expected_cached
+    m = router.metric
+    assert m("router_prefix_decisions_total", pool="speculative", reason="single") == 2
+    assert m("router_prefix_decisions_total", pool="speculative", reason=short.reason) == 1
+    assert m("router_prefix_prompt_tokens_total", pool="speculative") == 2 * first.prompt_tokens
+    assert m("router_prefix_expected_cached_tokens_total", pool="speculative") == second.expected_cached

@@ -117,7 +117,7 @@ async def test_killed_backend_mid_stream_then_failover(sim_process_factory, sim_
 
 async def test_shutdown_cuts_streams_after_drain_and_aborts_them(sim_factory, router_factory):
     """Streams still open at the drain deadline end with the shutdown error in-band, then [DONE].
-    mutmut (router/exchange.py): stream 128-130 (the error's message None or changed)."""
+    mutmut (router/exchange.py, run at f899a00): stream 107-109 (the error's message None or changed)."""
     spec = await sim_factory("eagle3-tp8", speedup=1.0, faults={"stall_after_chunks": 1})
     router = await router_factory([spec.url], [], drain_timeout=0.3)
     async with AsyncExitStack() as stack:

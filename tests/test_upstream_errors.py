@@ -290,8 +290,8 @@ async def test_nobody_waits_for_a_place_before_traffic_and_a_wait_is_shown_then_
                                                                                       router_factory):
     """router_upstream_waiting_requests starts at 0 (not absent), shows the two requests waiting for the
     backend's only place, and returns to 0; each wait is recorded, within the time it took. mutmut:
-    Limits.__init__ 8 (`fromkeys(urls, 1)`) and 5 (None); exchange.py's take_slot 3 (`if gate.try_take()`),
-    5 (`waiting = 1`), 17 (`monotonic() + t`)."""
+    Limits.__init__ 8 (`fromkeys(urls, 1)`) and 5 (None); exchange.py's take_slot 4 (`waited is None`) and
+    6-8 (the wait observed as None, on no metric or pool), numbered as in the run at f899a00."""
     release = asyncio.Event()
 
     async def slow(c: Conn) -> None:
