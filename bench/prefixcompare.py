@@ -55,6 +55,7 @@ class Deployment:
     instances: int
     slowdown: float
     routers: list[str]
+    sample: int = 1
 
 
 @dataclass
@@ -97,12 +98,15 @@ def build_parser() -> cli.Parser:
                         "(eagle3-good-tp8 + baseline-tp8 time-sharing a box) (default: all three)")
     p.add_argument("--instances", type=cli.int_list, default=[4, 8], help="pool sizes (default 4,8)")
     p.add_argument("--slowdown", type=cli.float_list, default=None, metavar="F[,F...]",
-                   help="trace slowdown per pool size, in --instances order (default 8/N: about 3/4 of the "
-                        "pool's capacity at token scale 1)")
+                   help="trace slowdown per pool size, in --instances order (default 5/N: with one conversation in 2, about 2/3 "
+                        "of the pool's capacity at token scale 1)")
     p.add_argument("--boxes", type=cli.positive(int), default=2, help="8-GPU boxes of a two-pool deployment "
                                                                       "(default 2: 2 speculative + 2 baseline)")
-    p.add_argument("--two-pool-slowdown", type=cli.positive(float), default=4.0,
-                   help="trace slowdown of the two-pool deployments (default 4)")
+    p.add_argument("--two-pool-slowdown", type=cli.positive(float), default=1.25,
+                   help="trace slowdown of the two-pool deployments (default 1.25)")
+    p.add_argument("--two-pool-sample-conversations", type=cli.positive(int), default=4, metavar="M",
+                   help="one conversation in M on the two-pool deployments (default 4: with the slowdown, about "
+                        "2/3 of two boxes' capacity)")
     p.add_argument("--pool-routers", type=router_arg, default=POOL_ROUTERS,
                    help=f"routers on a pool (default {','.join(POOL_ROUTERS)})")
     p.add_argument("--two-pool-routers", type=router_arg, default=TWO_POOL_ROUTERS,
@@ -113,10 +117,11 @@ def build_parser() -> cli.Parser:
                         f"{KV_SEED} on the seed box)")
     p.add_argument("--policy", default="adaptive", help="our router's policy (default adaptive, the compose default)")
     p.add_argument("--window-start", type=float, default=0.0, help="trace seconds to skip (default 0)")
-    p.add_argument("--window-end", type=cli.positive(float), default=240.0, help="trace seconds to stop at "
-                                                                                 "(default 240)")
-    p.add_argument("--sample-conversations", type=cli.positive(int), default=1, metavar="M",
-                   help="keep one conversation in M (default 1: every line of the window)")
+    p.add_argument("--window-end", type=cli.positive(float), default=600.0, help="trace seconds to stop at "
+                                                                                 "(default 600)")
+    p.add_argument("--sample-conversations", type=cli.positive(int), default=2, metavar="M",
+                   help="keep one conversation in M on a pool (default 2: whole conversations, so their prefix "
+                        "reuse is kept, over twice the trace time at the same request rate)")
     p.add_argument("--limit", type=cli.positive(int), help="at most N requests of the window")
     p.add_argument("--token-scale", type=cli.positive(float), default=1.0,
                    help="scale every prompt, output and the simulators' KV by this (default 1)")
@@ -130,15 +135,15 @@ def build_parser() -> cli.Parser:
 def plan(ns) -> list[Deployment]:
     out = []
     if "pool" in ns.deployments:
-        slow = ns.slowdown or [8.0 / n for n in ns.instances]
+        slow = ns.slowdown or [5.0 / n for n in ns.instances]
         if len(slow) != len(ns.instances):
             raise CompareError(f"--slowdown has {len(slow)} values for {len(ns.instances)} --instances")
         for n, s in zip(ns.instances, slow, strict=True):
-            out.append(Deployment(f"pool-{n}", "pool", 8 * n, n, s, list(ns.pool_routers)))
+            out.append(Deployment(f"pool-{n}", "pool", 8 * n, n, s, list(ns.pool_routers), ns.sample_conversations))
     for kind in ("split", "colocated"):
         if kind in ns.deployments:
             out.append(Deployment(f"{kind}-x{ns.boxes}", kind, 8 * ns.boxes, 2 * ns.boxes, ns.two_pool_slowdown,
-                                  list(ns.two_pool_routers)))
+                                  list(ns.two_pool_routers), ns.two_pool_sample_conversations))
     return out
 
 
@@ -210,7 +215,7 @@ def replay_cmd(ns, dep: Deployment, name: str, url: str, out: Path) -> list[str]
     cmd = [sys.executable, "-m", "bench", "replay", "--trace", str(ns.trace), "--target", f"{name}={url}",
            "--speedup", f"{ns.speedup:g}", "--mooncake-slowdown-factor", f"{dep.slowdown:g}",
            "--window-start", f"{ns.window_start:g}", "--window-end", f"{ns.window_end:g}",
-           "--sample-conversations", str(ns.sample_conversations), "--token-scale", f"{ns.token_scale:g}",
+           "--sample-conversations", str(dep.sample), "--token-scale", f"{ns.token_scale:g}",
            "--model", MODEL, "--timeout", f"{ns.timeout:g}", "--out", str(out), "--name", name, "--no-plot"]
     if ns.limit:
         cmd += ["--limit", str(ns.limit)]
@@ -226,7 +231,7 @@ def loadavg() -> str:
 
 def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
     row = {"deployment": dep.name, "kind": dep.kind, "gpus": dep.gpus, "instances": dep.instances,
-           "slowdown": dep.slowdown, "router": which, "loadavg_before": loadavg()}
+           "slowdown": dep.slowdown, "sample_conversations": dep.sample, "router": which, "loadavg_before": loadavg()}
     t0 = time.monotonic()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{dep.name}-{which}")
     with procs.ProcGroup() as group:
@@ -287,17 +292,17 @@ def render(rows: list[dict], config: dict) -> str:
     out = [f"prefixcompare: {config['workload']}", f"simulators at speedup {config['speedup']:g}; token scale "
            f"{config['token_scale']:g}; figures in the simulators' time; cache hit = usage cached_tokens / "
            "prompt_tokens over the replay's answers (server = the simulators' own counters)", ""]
-    grid = [["deployment", "GPUs", "instances", "slowdown", "router", "ok", "failed", "cache hit", "server hit",
+    grid = [["deployment", "GPUs", "instances", "M", "slowdown", "router", "ok", "failed", "cache hit", "server hit",
              "TTFT mean", "TTFT p90", "TTFT p99", "E2E p90", "out tok/s", "req/s", "max/mean served", "pools"]]
     for r in rows:
         if "skipped" in r:
-            grid.append([r["deployment"], str(r["gpus"]), str(r["instances"]), f"{r['slowdown']:g}", r["router"],
-                         "skipped: " + r["skipped"][:60]] + [""] * 11)
+            grid.append([r["deployment"], str(r["gpus"]), str(r["instances"]), str(r["sample_conversations"]),
+                         f"{r['slowdown']:g}", r["router"], "skipped: " + r["skipped"][:60]] + [""] * 11)
             continue
         ps = r["pool_served"]
         pools = "-" if r["kind"] == "pool" else f"spec {ps['speculative']} / base {ps['baseline']}"
-        grid.append([r["deployment"], str(r["gpus"]), str(r["instances"]), f"{r['slowdown']:g}", r["router"],
-                     str(r["completed"]), str(r["failed"]), _pct(r["cache_hit_ratio"]),
+        grid.append([r["deployment"], str(r["gpus"]), str(r["instances"]), str(r["sample_conversations"]),
+                     f"{r['slowdown']:g}", r["router"], str(r["completed"]), str(r["failed"]), _pct(r["cache_hit_ratio"]),
                      _pct(r["server_cache_hit_ratio"]), _n(r["mean_ttft_ms"]), _n(r["p90_ttft_ms"]),
                      _n(r["p99_ttft_ms"]), _n(r["p90_e2e_latency_ms"]), _n(r["output_throughput"], 1),
                      _n(r["request_throughput"], 3), _n(r["imbalance"], 2), pools])
@@ -310,7 +315,7 @@ def render(rows: list[dict], config: dict) -> str:
     return "\n".join(out)
 
 
-CSV_FIELDS = ["deployment", "kind", "gpus", "instances", "slowdown", "router", "label", "completed", "failed",
+CSV_FIELDS = ["deployment", "kind", "gpus", "instances", "sample_conversations", "slowdown", "router", "label", "completed", "failed",
               "cache_hit_ratio", "server_cache_hit_ratio", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
               "p99_ttft_ms", "mean_e2e_latency_ms", "p90_e2e_latency_ms", "output_throughput", "request_throughput",
               "imbalance", "wall_s", "loadavg_before", "loadavg_after", "skipped"]
@@ -337,10 +342,11 @@ def main(argv: list[str]) -> int:
     except (ArgError, CompareError) as exc:
         return cli.fail("prefixcompare", exc)
     workload = (f"{ns.trace} seconds {ns.window_start:g}..{ns.window_end:g}"
-                + (f", one conversation in {ns.sample_conversations}" if ns.sample_conversations > 1 else "")
-                + (f", at most {ns.limit} requests" if ns.limit else ""))
+                + (f", at most {ns.limit} requests" if ns.limit else "")
+                + "; one conversation in M (column 'M': whole conversations, second block id % M == 0)")
     config = {"workload": workload, "trace": str(ns.trace), "window": [ns.window_start, ns.window_end],
-              "sample_conversations": ns.sample_conversations, "limit": ns.limit, "token_scale": ns.token_scale,
+              "sample_conversations": ns.sample_conversations,
+              "two_pool_sample_conversations": ns.two_pool_sample_conversations, "limit": ns.limit, "token_scale": ns.token_scale,
               "speedup": ns.speedup, "policy": ns.policy, "ours_flags": OURS_FLAGS, "model": MODEL,
               "pool_profile": POOL_PROFILE, "kv_tokens": ns.kv_tokens, "split": SPLIT, "colocated": COLOCATED,
               "peers": {n: peers.version(p) for n, p in peers.PEERS.items()}, "cpus": os.cpu_count(),

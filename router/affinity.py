@@ -22,7 +22,9 @@ REASONS = (AFFINITY, LOAD_OVERRIDE, NO_MATCH, SINGLE, POOL_KEPT, POOL_MOVED, NO_
 # Cold-start figures, replaced by what the backends' own answers measure (named assumptions, docs/ROUTER.md):
 PRIOR_BYTES_PER_TOKEN = 4.0  # English through a BPE tokenizer, JSON quoting included
 PRIOR_PREFILL_S_PER_TOKEN = 1e-4  # 10k prompt tokens/s
-PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the instance
+PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the instance beyond its prefill (decode
+# steps it shares): a named assumption, not learned (learning it from the residual let the prefill term absorb
+# every second of queueing and load fall out of the rule: docs/ROUTER.md "Affinity")
 PRIOR_TPOT_S = 0.02  # seconds per output token
 PRIOR_OUTPUT_TOKENS = 256.0
 EWMA = 0.05  # weight of each new sample (about the last 20 count)
@@ -50,6 +52,7 @@ class Placement:
     expected_cached: int = 0  # tokens
     prompt_tokens: int = 0  # the router's estimate from the prompt's bytes
     depth: int = 0  # blocks the chosen backend holds
+    pending_ahead: int = 0  # uncached tokens already in flight on the last of them when it was sent
 
 
 def _ewma(old: float, new: float) -> float:
@@ -90,10 +93,14 @@ class Affinity:
         return int(blocks * self.block_bytes / self.bytes_per_token)
 
     def ttft(self, b: BackendView, prompt_tokens: int, depth: int) -> float:
-        """Expected seconds to the first token on `b`: waiting behind its load, then the uncached prefill."""
+        """Expected seconds to the first token on `b`: the prefill of what is in flight there and of the part of
+        this prompt it does not hold, plus a small cost per request it already runs (and a queue beyond its
+        max_running)."""
         c = self.costs(b.pool)
         load = b.load_estimate
-        wait = c.wait_s * load
+        # The uncached prompt tokens of this router's requests in flight there (router.pools.Backend, counted by
+        # their leases): the prefill queued ahead, in the same unit as the prefill this one would save.
+        wait = c.wait_s * load + c.prefill_s * getattr(b, "pending_tokens", 0)
         limit = self.max_running.get(b.url, self.max_running_default)
         if limit is not None and load >= limit:
             # Beyond max_running it queues for a free slot: a slot frees every (request time / limit).
@@ -148,10 +155,16 @@ class Affinity:
         # Both pools' decode speeds measured: before that, the policy's choice of pool stands.
         return self.costs(a).tpot_samples > 0 and self.costs(b).tpot_samples > 0
 
-    def sent(self, b: BackendView, placement: Placement) -> None:
-        """The request goes to `b` (a retry included): it will hold the prompt's blocks."""
-        if placement.prompt.hashed:
-            self.index.of(b.url, getattr(b, "generation", 0), self.capacity_of(b.url)).insert(placement.prompt.blocks)
+    def sent(self, b: BackendView, placement: Placement) -> int:
+        """The request goes to `b` (a retry included): it will hold the prompt's blocks. Returns the uncached
+        tokens it brings there, for its lease to count until released."""
+        if not placement.prompt.hashed:
+            return 0
+        idx = self.index.of(b.url, getattr(b, "generation", 0), self.capacity_of(b.url))
+        uncached = max(0, placement.prompt_tokens - self.tokens(idx.depth(placement.prompt.blocks)))
+        placement.pending_ahead = getattr(b, "pending_tokens", 0)
+        idx.insert(placement.prompt.blocks)
+        return uncached
 
     # ---- learning (report_done / report_loads)
     def observe(self, obs: Observation, placement: Placement | None, generation: int = 0) -> None:
@@ -171,12 +184,12 @@ class Affinity:
                 # It held less than the index said (evicted, restarted): forget what it no longer has.
                 idx.truncate(placement.prompt.blocks, held)
         if obs.ttft_s is not None and p:
-            uncached = max(1, p - cached)
+            # TTFT = prefill_s x (its uncached tokens + the uncached tokens in flight ahead of it) + wait_s x the
+            # requests ahead: one learned rate, so queueing raises the price of load and of a re-prefill alike.
+            uncached = max(1, p - cached) + placement.pending_ahead
             ahead = max(0, obs.inflight_at_start - 1)
             wait = c.wait_s * ahead
             c.prefill_s = max(1e-7, _ewma(c.prefill_s, max(0.0, obs.ttft_s - wait) / uncached))
-            if ahead:
-                c.wait_s = max(0.0, _ewma(c.wait_s, max(0.0, obs.ttft_s - c.prefill_s * uncached) / ahead))
             c.samples += 1
         if obs.ttft_s is not None and obs.completion_tokens and obs.completion_tokens > 1:
             c.tpot_s = _ewma(c.tpot_s, (obs.duration_s - obs.ttft_s) / (obs.completion_tokens - 1))
