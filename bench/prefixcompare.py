@@ -234,6 +234,10 @@ def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
            "slowdown": dep.slowdown, "sample_conversations": dep.sample, "router": which, "loadavg_before": loadavg()}
     t0 = time.monotonic()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{dep.name}-{which}")
+    if which not in (OURS, OURS_NO_PREFIX, OURS_NO_CROSS) and peers.version(peers.parse(which)[0]) is None:
+        reason = f"{peers.parse(which)[0].name} is not installed (pip install 'spec-router[peers]')"
+        print(f"prefixcompare: {dep.name} {which}: skipped: {reason}", file=sys.stderr)
+        return {**row, "skipped": reason, "wall_s": 0.0, "loadavg_after": loadavg()}
     with procs.ProcGroup() as group:
         try:
             b = start_backends(group, dep, ns)
@@ -246,12 +250,15 @@ def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
             return row
         row["label"] = label
         before = cli.run_async(sim_stats(b.all))  # the readiness ping, and anything else before the replay
+        ours = which in (OURS, OURS_NO_PREFIX, OURS_NO_CROSS)
+        decided = cli.run_async(our_decisions(router.url)) if ours else {}
         with open(tmp / f"{stem}.replay.log", "w", encoding="utf-8") as log:
             rc = subprocess.run(replay_cmd(ns, dep, stem, router.url, tmp), stdout=log, stderr=subprocess.STDOUT,
                                 check=False).returncode
         after = cli.run_async(sim_stats(b.all))
-        if which.startswith(OURS):
-            row["decisions"] = cli.run_async(our_decisions(router.url))
+        if ours:
+            row["decisions"] = {k: v - decided.get(k, 0) for k, v in cli.run_async(our_decisions(router.url)).items()
+                                if v - decided.get(k, 0)}
     result = tmp / f"{stem}.json"
     if rc not in (0, 1) or not result.exists():
         tail = (tmp / f"{stem}.replay.log").read_text(errors="replace").strip().splitlines()[-1:]
