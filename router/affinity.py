@@ -98,8 +98,8 @@ class Affinity:
         max_running)."""
         c = self.costs(b.pool)
         load = b.load_estimate
-        # The uncached prompt tokens of this router's requests in flight there (router.pools.Backend, counted by
-        # their leases): the prefill queued ahead, in the same unit as the prefill this one would save.
+        # The uncached prompt tokens of this router's requests there without a first token yet (counted by their
+        # leases, router.pools): the prefill queued ahead, in the same unit as the prefill this one would save.
         wait = c.wait_s * load + c.prefill_s * getattr(b, "pending_tokens", 0)
         limit = self.max_running.get(b.url, self.max_running_default)
         if limit is not None and load >= limit:
@@ -108,16 +108,28 @@ class Affinity:
         uncached = max(0, prompt_tokens - self.tokens(depth))
         return min(wait, MAX_LOAD_TERM_S) + c.prefill_s * uncached
 
+    def duplicate(self, pool: str, prompt_tokens: int, held: int, depth: int) -> float:
+        """The second price of copying `held` tokens another instance has onto one holding `depth` blocks."""
+        return self.costs(pool).prefill_s * max(0, min(held, prompt_tokens) - self.tokens(depth))
+
     def best(self, cands: list[BackendView], prompt: Prompt, ptok: int, rng: random.Random
              ) -> tuple[BackendView, float, int, str]:
         """The instance of `cands` with the least expected TTFT, its TTFT, its depth and the reason."""
-        scored = []
+        depths = []
         for b in cands:
             idx = self.index.peek(b.url, getattr(b, "generation", 0))
-            d = idx.depth(prompt.blocks) if idx is not None and prompt.blocks else 0
-            scored.append((self.ttft(b, ptok, d), d, b))
+            depths.append(idx.depth(prompt.blocks) if idx is not None and prompt.blocks else 0)
+        held = self.tokens(max(depths))
+        scored = []
+        for b, d in zip(cands, depths, strict=True):
+            # A copy of what another instance holds costs twice: prefilled now, and stored in place of as many
+            # cached tokens of other conversations there (a full cache evicts them: their next turn re-prefills).
+            scored.append((self.ttft(b, ptok, d) + self.duplicate(b.pool, ptok, held, d), d, b))
         low = min(s[0] for s in scored)
         ties = [s for s in scored if s[0] <= low * (1 + 1e-9)]
+        if len(ties) > 1:  # equal now: the one holding more keeps it for the next turn too
+            most = max(s[1] for s in ties)
+            ties = [s for s in ties if s[1] == most]
         t, d, b = ties[0] if len(ties) == 1 else rng.choice(ties)
         if len(cands) == 1:
             return b, t, d, SINGLE
@@ -142,7 +154,8 @@ class Affinity:
                 if odepth > depth:
                     # The policy left the pool that holds more of the prompt: stay unless the switch gains
                     # more (decode at the chosen pool's measured speed) than the prefill it throws away.
-                    here = t + self.output_tokens * self.costs(pool).tpot_s
+                    here = (t + self.output_tokens * self.costs(pool).tpot_s
+                            + self.duplicate(pool, ptok, self.tokens(odepth), depth))
                     there = ot + self.output_tokens * self.costs(ob.pool).tpot_s
                     if there < here and self._known(pool, ob.pool):
                         out, depth, reason = Decision(ob, AFFINITY), odepth, POOL_KEPT

@@ -60,7 +60,8 @@ class Backend:
         self.last_probe = "not probed yet"  # the last health probe's result in words (/ready, 503 bodies, logs)
         self.probe: object = None  # router.health's own per-backend bookkeeping (path in use, what it logged)
         self._inflight = 0
-        # Uncached prompt tokens of the leases out (router.affinity): the prefill queued ahead of a new request.
+        # Uncached prompt tokens of the leases out that have no first token yet (router.affinity): the prefill
+        # queued ahead of a new request.
         self._pending = 0
         # Request-seconds in flight up to _area_at (the integral of the in-flight count over time): what a lease
         # reads to know the mean load its request ran under, which its start and end counts alone misstate
@@ -109,7 +110,8 @@ class Backend:
         self._area_at = now
 
     def lease(self, tokens: int = 0) -> Lease:
-        """`tokens`: the uncached prompt tokens it brings (prefix affinity), counted until its release."""
+        """`tokens`: the uncached prompt tokens it brings (prefix affinity), counted until its first token or its
+        release."""
         now = clock()
         self._tick(now)
         self._inflight += 1
@@ -188,6 +190,12 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._released
+
+    def prefilled(self) -> None:
+        """The first token came: its uncached tokens are no longer prefill queued on the backend (once)."""
+        if self._tokens and not self._released:
+            self.backend._pending = max(0, self.backend._pending - self._tokens)
+            self._tokens = 0
 
     def release(self) -> None:
         if not self._released:

@@ -185,7 +185,9 @@ def test_how_much_load_a_prefix_holds_grows_with_its_length():
     short, longer = long_prompt(2, 8_000), long_prompt(3, 80_000)
     for p in (short, longer):
         aff.index.of("a", 0, 10_000).insert(p.blocks)
-    view = View.of([B("a", 20), B("b", 2)])
+    # 48 requests more (0.48 s at the 10 ms prior) against ~1.8k held tokens, priced twice (re-prefilled, and
+    # evicting as much elsewhere): 0.36 s; the 20k-token prefix: 4 s
+    view = View.of([B("a", 50), B("b", 2)])
     assert aff.place(Decision(view.backends[1], BELOW), view, short, random.Random(0))[0].url == "b"
     assert aff.place(Decision(view.backends[1], BELOW), view, longer, random.Random(0))[0].url == "a"
 
@@ -216,6 +218,9 @@ class Busy:
 @pytest.mark.parametrize("pending_a, pending_b, expect_url, reason", [
     (0, 0, "a", AFFINITY),  # nothing queued anywhere: the instance holding the prompt
     (6_000, 0, "a", AFFINITY),  # half a prompt of prefill queued there costs less than re-prefilling all of it
+    # more queued there than the prompt itself, but less than twice: a copy elsewhere is prefilled now and
+    # evicts as much of other conversations there, so it stays
+    (20_000, 0, "a", AFFINITY),
     (40_000, 0, "b", LOAD_OVERRIDE),  # three long prompts still prefilling there: the idle one, re-prefill and all
     (40_000, 30_000, "a", AFFINITY),  # both queued alike: the prefix decides again
 ])
