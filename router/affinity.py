@@ -52,7 +52,8 @@ class Placement:
     expected_cached: int = 0  # tokens
     prompt_tokens: int = 0  # the router's estimate from the prompt's bytes
     depth: int = 0  # blocks the chosen backend holds
-    pending_ahead: int = 0  # uncached tokens already in flight on the last of them when it was sent
+    pending_ahead: int = 0
+    sends: int = 0  # backends it was sent to: 1, or more after a retry  # uncached tokens already in flight on the last of them when it was sent
 
 
 def _ewma(old: float, new: float) -> float:
@@ -115,16 +116,20 @@ class Affinity:
     def best(self, cands: list[BackendView], prompt: Prompt, ptok: int, rng: random.Random
              ) -> tuple[BackendView, float, int, str]:
         """The instance of `cands` with the least expected TTFT, its TTFT, its depth and the reason."""
+        blocks = prompt.blocks
         depths = []
         for b in cands:
             idx = self.index.peek(b.url, getattr(b, "generation", 0))
-            depths.append(idx.depth(prompt.blocks) if idx is not None and prompt.blocks else 0)
-        held = self.tokens(max(depths))
+            depths.append(idx.depth(blocks) if idx is not None and blocks else 0)
+        held = min(ptok, self.tokens(max(depths)))
         scored = []
         for b, d in zip(cands, depths, strict=True):
-            # A copy of what another instance holds costs twice: prefilled now, and stored in place of as many
-            # cached tokens of other conversations there (a full cache evicts them: their next turn re-prefills).
-            scored.append((self.ttft(b, ptok, d) + self.duplicate(b.pool, ptok, held, d), d, b))
+            # ttft(), plus a copy of what another instance holds priced twice: prefilled now, and stored in place
+            # of as many cached tokens of other conversations there (a full cache evicts them: their next turn
+            # re-prefills). One pass, the hot path's share of a decision (docs/BENCH.md "Prefix index").
+            have = self.tokens(d) if d else 0
+            extra = self.costs(b.pool).prefill_s * max(0, held - have)
+            scored.append((self.ttft(b, ptok, d) + extra, d, b))
         low = min(s[0] for s in scored)
         ties = [s for s in scored if s[0] <= low * (1 + 1e-9)]
         if len(ties) > 1:  # equal now: the one holding more keeps it for the next turn too
@@ -174,7 +179,11 @@ class Affinity:
         if not placement.prompt.hashed:
             return 0
         idx = self.index.of(b.url, getattr(b, "generation", 0), self.capacity_of(b.url))
-        uncached = max(0, placement.prompt_tokens - self.tokens(idx.depth(placement.prompt.blocks)))
+        # the decision's own backend: what place() found it holds; a retry's: looked up
+        held = placement.expected_cached if not placement.sends else min(
+            placement.prompt_tokens, self.tokens(idx.depth(placement.prompt.blocks)))
+        placement.sends += 1
+        uncached = max(0, placement.prompt_tokens - held)
         placement.pending_ahead = getattr(b, "pending_tokens", 0)
         idx.insert(placement.prompt.blocks)
         return uncached
