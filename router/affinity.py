@@ -121,15 +121,23 @@ class Affinity:
         for b in cands:
             idx = self.index.peek(b.url, getattr(b, "generation", 0))
             depths.append(idx.depth(blocks) if idx is not None and blocks else 0)
-        held = min(ptok, self.tokens(max(depths)))
+        k = self.block_bytes / self.bytes_per_token  # tokens per block
+        held = min(ptok, int(max(depths) * k))
+        c = self.costs(cands[0].pool)  # candidates share one pool
+        p, w, slot_s = c.prefill_s, c.wait_s, c.tpot_s * self.output_tokens
+        limits, default_limit = self.max_running, self.max_running_default
         scored = []
         for b, d in zip(cands, depths, strict=True):
-            # ttft(), plus a copy of what another instance holds priced twice: prefilled now, and stored in place
-            # of as many cached tokens of other conversations there (a full cache evicts them: their next turn
-            # re-prefills). One pass, the hot path's share of a decision (docs/BENCH.md "Prefix index").
-            have = self.tokens(d) if d else 0
-            extra = self.costs(b.pool).prefill_s * max(0, held - have)
-            scored.append((self.ttft(b, ptok, d) + extra, d, b))
+            # ttft() inline (the hot path's share of a decision, docs/BENCH.md "Prefix index"), plus a copy of
+            # what another instance holds priced twice: prefilled now, and stored in place of as many cached
+            # tokens of other conversations there (a full cache evicts them: their next turn re-prefills).
+            load = b.load_estimate
+            wait = w * load + p * getattr(b, "pending_tokens", 0)
+            limit = limits.get(b.url, default_limit)
+            if limit is not None and load >= limit:
+                wait += (load - limit + 1) * slot_s / limit
+            have = int(d * k)
+            scored.append((min(wait, MAX_LOAD_TERM_S) + p * (max(0, ptok - have) + max(0, held - have)), d, b))
         low = min(s[0] for s in scored)
         ties = [s for s in scored if s[0] <= low * (1 + 1e-9)]
         if len(ties) > 1:  # equal now: the one holding more keeps it for the next turn too
