@@ -164,3 +164,26 @@ async def test_a_malformed_or_too_large_body_does_not_grow_the_index(sim_factory
                           + b"a" * 5000, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400
     assert all(router.state.pools.affinity.index.size(x.url) == 0 for x in sims)
+
+
+async def test_a_streams_prompt_counts_as_queued_prefill_until_its_first_token_a_buffered_one_until_its_end(
+        sim_factory, router_factory):
+    sim = await sim_factory(speedup=5, enable_cache_report=True)
+    router = await router_factory([], [sim.url])
+    b = router.state.pools.by_url[sim.url]
+    body = {"model": "m", "messages": [{"role": "user", "content": user_turn(1, 0, 2000)}], "max_tokens": 200,
+            "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readany()  # the first chunk: the prompt is prefilled, it is decoding now
+            assert b.inflight == 1 and b.pending_tokens == 0
+            await r.read()
+        other = {**body, "messages": [{"role": "user", "content": user_turn(2, 0, 2000)}]}  # not cached
+        task = asyncio.create_task(s.post(router.url + "/v1/chat/completions", json=other))
+        assert await poll(lambda: b.inflight == 1, 5.0)
+        assert b.pending_tokens > 1000  # nothing tells the router its first token came
+        resp = await task
+        assert resp.status == 200
+        await resp.read()
+    assert b.inflight == 0 and b.pending_tokens == 0
