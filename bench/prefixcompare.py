@@ -112,6 +112,8 @@ def build_parser() -> cli.Parser:
     p.add_argument("--two-pool-routers", type=router_arg, default=TWO_POOL_ROUTERS,
                    help=f"routers on two pools (default {','.join(TWO_POOL_ROUTERS)}; a peer sees every backend "
                         "as one pool)")
+    p.add_argument("--router-flag", action="append", default=[], metavar="FLAG",
+                   help="one more flag for our router's command line, e.g. --router-flag=--threshold=2 (repeatable)")
     p.add_argument("--kv-tokens", type=cli.positive(int), default=KV_H200,
                    help=f"KV tokens of every simulated server (default {KV_H200}: Kimi K2.5 TP8 on 8 x H200; "
                         f"{KV_SEED} on the seed box)")
@@ -173,7 +175,7 @@ def start_backends(group: procs.ProcGroup, dep: Deployment, ns) -> Backends:
 def start_router(group: procs.ProcGroup, which: str, b: Backends, ns, log: Path) -> tuple[procs.Proc, str]:
     """(the router's Proc, a label with its version)."""
     if which in (OURS, OURS_NO_PREFIX, OURS_NO_CROSS):
-        extra = list(OURS_FLAGS)
+        extra = list(OURS_FLAGS) + list(ns.router_flag)
         if which == OURS_NO_PREFIX:
             extra += ["--prefix-routing", "false"]
         if which == OURS_NO_CROSS:
@@ -354,7 +356,7 @@ def main(argv: list[str]) -> int:
     config = {"workload": workload, "trace": str(ns.trace), "window": [ns.window_start, ns.window_end],
               "sample_conversations": ns.sample_conversations,
               "two_pool_sample_conversations": ns.two_pool_sample_conversations, "limit": ns.limit, "token_scale": ns.token_scale,
-              "speedup": ns.speedup, "policy": ns.policy, "ours_flags": OURS_FLAGS, "model": MODEL,
+              "speedup": ns.speedup, "policy": ns.policy, "ours_flags": OURS_FLAGS + list(ns.router_flag), "model": MODEL,
               "pool_profile": POOL_PROFILE, "kv_tokens": ns.kv_tokens, "split": SPLIT, "colocated": COLOCATED,
               "peers": {n: peers.version(p) for n, p in peers.PEERS.items()}, "cpus": os.cpu_count(),
               "loadavg_start": loadavg()}

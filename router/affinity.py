@@ -93,22 +93,6 @@ class Affinity:
     def tokens(self, blocks: int) -> int:
         return int(blocks * self.block_bytes / self.bytes_per_token)
 
-    def ttft(self, b: BackendView, prompt_tokens: int, depth: int) -> float:
-        """Expected seconds to the first token on `b`: the prefill of what is in flight there and of the part of
-        this prompt it does not hold, plus a small cost per request it already runs (and a queue beyond its
-        max_running)."""
-        c = self.costs(b.pool)
-        load = b.load_estimate
-        # The uncached prompt tokens of this router's requests there without a first token yet (counted by their
-        # leases, router.pools): the prefill queued ahead, in the same unit as the prefill this one would save.
-        wait = c.wait_s * load + c.prefill_s * getattr(b, "pending_tokens", 0)
-        limit = self.max_running.get(b.url, self.max_running_default)
-        if limit is not None and load >= limit:
-            # Beyond max_running it queues for a free slot: a slot frees every (request time / limit).
-            wait += (load - limit + 1) * (c.tpot_s * self.output_tokens) / limit
-        uncached = max(0, prompt_tokens - self.tokens(depth))
-        return min(wait, MAX_LOAD_TERM_S) + c.prefill_s * uncached
-
     def duplicate(self, pool: str, prompt_tokens: int, held: int, depth: int) -> float:
         """The second price of copying `held` tokens another instance has onto one holding `depth` blocks."""
         return self.costs(pool).prefill_s * max(0, min(held, prompt_tokens) - self.tokens(depth))
@@ -128,9 +112,12 @@ class Affinity:
         limits, default_limit = self.max_running, self.max_running_default
         scored = []
         for b, d in zip(cands, depths, strict=True):
-            # ttft() inline (the hot path's share of a decision, docs/BENCH.md "Prefix index"), plus a copy of
-            # what another instance holds priced twice: prefilled now, and stored in place of as many cached
-            # tokens of other conversations there (a full cache evicts them: their next turn re-prefills).
+            # Expected TTFT: the prefill queued there (the uncached prompt tokens of this router's requests with
+            # no first token yet, counted by their leases, router.pools) and a small cost per request it runs,
+            # a queue for a slot beyond max_running (a slot frees every request time / limit), then the prefill
+            # of what it does not hold. Plus a copy of what another instance holds priced twice: prefilled now,
+            # and stored in place of as many cached tokens of other conversations there (a full cache evicts
+            # them: their next turn re-prefills). One pass: the hot path's share of a decision.
             load = b.load_estimate
             wait = w * load + p * getattr(b, "pending_tokens", 0)
             limit = limits.get(b.url, default_limit)
