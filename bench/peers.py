@@ -64,7 +64,7 @@ def parse(spec: str) -> tuple[Peer, str]:
 
 def free_port() -> int:
     # Bound and closed again: another process could take it before the peer binds (peers cannot bind port 0
-    # and tell us the port), so a start that fails on its port is retried once on a new one.
+    # and tell us the port); then the peer exits and its run is a skipped row with its log's last line.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
