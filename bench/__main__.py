@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
     "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
+    "prefixcompare": ("bench.prefixcompare", "cache-aware routing on the replayed trace: our router vs smg / vllm-router, same servers and load"),
     "family": ("bench.familyserve", "a pair of small continuous-batching servers that are not our simulator (see --list)"),
     "judge": ("bench.judge", "adaptive from a cold start vs every fixed configuration on the server family"),
     "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),

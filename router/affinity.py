@@ -22,7 +22,9 @@ REASONS = (AFFINITY, LOAD_OVERRIDE, NO_MATCH, SINGLE, POOL_KEPT, POOL_MOVED, NO_
 # Cold-start figures, replaced by what the backends' own answers measure (named assumptions, docs/ROUTER.md):
 PRIOR_BYTES_PER_TOKEN = 4.0  # English through a BPE tokenizer, JSON quoting included
 PRIOR_PREFILL_S_PER_TOKEN = 1e-4  # 10k prompt tokens/s
-PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the instance
+PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the instance beyond its prefill (decode
+# steps it shares): a named assumption, not learned (learning it from the residual let the prefill term absorb
+# every second of queueing and load fall out of the rule: docs/ROUTER.md "Affinity")
 PRIOR_TPOT_S = 0.02  # seconds per output token
 PRIOR_OUTPUT_TOKENS = 256.0
 EWMA = 0.05  # weight of each new sample (about the last 20 count)
@@ -50,6 +52,8 @@ class Placement:
     expected_cached: int = 0  # tokens
     prompt_tokens: int = 0  # the router's estimate from the prompt's bytes
     depth: int = 0  # blocks the chosen backend holds
+    pending_ahead: int = 0
+    sends: int = 0  # backends it was sent to: 1, or more after a retry  # uncached tokens already in flight on the last of them when it was sent
 
 
 def _ewma(old: float, new: float) -> float:
@@ -89,28 +93,43 @@ class Affinity:
     def tokens(self, blocks: int) -> int:
         return int(blocks * self.block_bytes / self.bytes_per_token)
 
-    def ttft(self, b: BackendView, prompt_tokens: int, depth: int) -> float:
-        """Expected seconds to the first token on `b`: waiting behind its load, then the uncached prefill."""
-        c = self.costs(b.pool)
-        load = b.load_estimate
-        wait = c.wait_s * load
-        limit = self.max_running.get(b.url, self.max_running_default)
-        if limit is not None and load >= limit:
-            # Beyond max_running it queues for a free slot: a slot frees every (request time / limit).
-            wait += (load - limit + 1) * (c.tpot_s * self.output_tokens) / limit
-        uncached = max(0, prompt_tokens - self.tokens(depth))
-        return min(wait, MAX_LOAD_TERM_S) + c.prefill_s * uncached
+    def duplicate(self, pool: str, prompt_tokens: int, held: int, depth: int) -> float:
+        """The second price of copying `held` tokens another instance has onto one holding `depth` blocks."""
+        return self.costs(pool).prefill_s * max(0, min(held, prompt_tokens) - self.tokens(depth))
 
     def best(self, cands: list[BackendView], prompt: Prompt, ptok: int, rng: random.Random
              ) -> tuple[BackendView, float, int, str]:
         """The instance of `cands` with the least expected TTFT, its TTFT, its depth and the reason."""
-        scored = []
+        blocks = prompt.blocks
+        depths = []
         for b in cands:
             idx = self.index.peek(b.url, getattr(b, "generation", 0))
-            d = idx.depth(prompt.blocks) if idx is not None and prompt.blocks else 0
-            scored.append((self.ttft(b, ptok, d), d, b))
+            depths.append(idx.depth(blocks) if idx is not None and blocks else 0)
+        k = self.block_bytes / self.bytes_per_token  # tokens per block
+        held = min(ptok, int(max(depths) * k))
+        c = self.costs(cands[0].pool)  # candidates share one pool
+        p, w, slot_s = c.prefill_s, c.wait_s, c.tpot_s * self.output_tokens
+        limits, default_limit = self.max_running, self.max_running_default
+        scored = []
+        for b, d in zip(cands, depths, strict=True):
+            # Expected TTFT: the prefill queued there (the uncached prompt tokens of this router's requests with
+            # no first token yet, counted by their leases, router.pools) and a small cost per request it runs,
+            # a queue for a slot beyond max_running (a slot frees every request time / limit), then the prefill
+            # of what it does not hold. Plus a copy of what another instance holds priced twice: prefilled now,
+            # and stored in place of as many cached tokens of other conversations there (a full cache evicts
+            # them: their next turn re-prefills). One pass: the hot path's share of a decision.
+            load = b.load_estimate
+            wait = w * load + p * getattr(b, "pending_tokens", 0)
+            limit = limits.get(b.url, default_limit)
+            if limit is not None and load >= limit:
+                wait += (load - limit + 1) * slot_s / limit
+            have = int(d * k)
+            scored.append((min(wait, MAX_LOAD_TERM_S) + p * (max(0, ptok - have) + max(0, held - have)), d, b))
         low = min(s[0] for s in scored)
         ties = [s for s in scored if s[0] <= low * (1 + 1e-9)]
+        if len(ties) > 1:  # equal now: the one holding more keeps it for the next turn too
+            most = max(s[1] for s in ties)
+            ties = [s for s in ties if s[1] == most]
         t, d, b = ties[0] if len(ties) == 1 else rng.choice(ties)
         if len(cands) == 1:
             return b, t, d, SINGLE
@@ -135,7 +154,8 @@ class Affinity:
                 if odepth > depth:
                     # The policy left the pool that holds more of the prompt: stay unless the switch gains
                     # more (decode at the chosen pool's measured speed) than the prefill it throws away.
-                    here = t + self.output_tokens * self.costs(pool).tpot_s
+                    here = (t + self.output_tokens * self.costs(pool).tpot_s
+                            + self.duplicate(pool, ptok, self.tokens(odepth), depth))
                     there = ot + self.output_tokens * self.costs(ob.pool).tpot_s
                     if there < here and self._known(pool, ob.pool):
                         out, depth, reason = Decision(ob, AFFINITY), odepth, POOL_KEPT
@@ -148,10 +168,20 @@ class Affinity:
         # Both pools' decode speeds measured: before that, the policy's choice of pool stands.
         return self.costs(a).tpot_samples > 0 and self.costs(b).tpot_samples > 0
 
-    def sent(self, b: BackendView, placement: Placement) -> None:
-        """The request goes to `b` (a retry included): it will hold the prompt's blocks."""
-        if placement.prompt.hashed:
-            self.index.of(b.url, getattr(b, "generation", 0), self.capacity_of(b.url)).insert(placement.prompt.blocks)
+    def sent(self, b: BackendView, placement: Placement) -> int:
+        """The request goes to `b` (a retry included): it will hold the prompt's blocks. Returns the uncached
+        tokens it brings there, for its lease to count until released."""
+        if not placement.prompt.hashed:
+            return 0
+        idx = self.index.of(b.url, getattr(b, "generation", 0), self.capacity_of(b.url))
+        # the decision's own backend: what place() found it holds; a retry's: looked up
+        held = placement.expected_cached if not placement.sends else min(
+            placement.prompt_tokens, self.tokens(idx.depth(placement.prompt.blocks)))
+        placement.sends += 1
+        uncached = max(0, placement.prompt_tokens - held)
+        placement.pending_ahead = getattr(b, "pending_tokens", 0)
+        idx.insert(placement.prompt.blocks)
+        return uncached
 
     # ---- learning (report_done / report_loads)
     def observe(self, obs: Observation, placement: Placement | None, generation: int = 0) -> None:
@@ -171,12 +201,12 @@ class Affinity:
                 # It held less than the index said (evicted, restarted): forget what it no longer has.
                 idx.truncate(placement.prompt.blocks, held)
         if obs.ttft_s is not None and p:
-            uncached = max(1, p - cached)
+            # TTFT = prefill_s x (its uncached tokens + the uncached tokens in flight ahead of it) + wait_s x the
+            # requests ahead: one learned rate, so queueing raises the price of load and of a re-prefill alike.
+            uncached = max(1, p - cached) + placement.pending_ahead
             ahead = max(0, obs.inflight_at_start - 1)
             wait = c.wait_s * ahead
             c.prefill_s = max(1e-7, _ewma(c.prefill_s, max(0.0, obs.ttft_s - wait) / uncached))
-            if ahead:
-                c.wait_s = max(0.0, _ewma(c.wait_s, max(0.0, obs.ttft_s - c.prefill_s * uncached) / ahead))
             c.samples += 1
         if obs.ttft_s is not None and obs.completion_tokens and obs.completion_tokens > 1:
             c.tpot_s = _ewma(c.tpot_s, (obs.duration_s - obs.ttft_s) / (obs.completion_tokens - 1))

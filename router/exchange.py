@@ -147,7 +147,9 @@ class Exchange:
             try:
                 if sse:
                     # Wait for the first chunk before answering: until then a failure is a clean 504/502.
-                    return resp, await upstream.read_chunk(resp, b.url, FIRST_BYTE), None
+                    first = await upstream.read_chunk(resp, b.url, FIRST_BYTE)
+                    self.lease.prefilled()  # its prompt is prefilled: no longer queued ahead of others
+                    return resp, first, None
                 return resp, None, await self.buffered(resp)
             except UpstreamError as err:
                 self.upstream_failed(err)

@@ -49,6 +49,8 @@ class BackendLoad:
     pool: str
     inflight: int
     healthy: bool
+    pending_tokens: int = 0  # router.pools.Backend's: uncached prompt tokens of its leases (prefix affinity)
+    generation: int = 0
 
     @property
     def routable(self) -> bool:

@@ -45,7 +45,7 @@ class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
-                 "_inflight", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation")
+                 "_inflight", "_pending", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -60,6 +60,9 @@ class Backend:
         self.last_probe = "not probed yet"  # the last health probe's result in words (/ready, 503 bodies, logs)
         self.probe: object = None  # router.health's own per-backend bookkeeping (path in use, what it logged)
         self._inflight = 0
+        # Uncached prompt tokens of the leases out that have no first token yet (router.affinity): the prefill
+        # queued ahead of a new request.
+        self._pending = 0
         # Request-seconds in flight up to _area_at (the integral of the in-flight count over time): what a lease
         # reads to know the mean load its request ran under, which its start and end counts alone misstate
         # whenever the load ramps up or drains during it.
@@ -77,6 +80,10 @@ class Backend:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    @property
+    def pending_tokens(self) -> int:
+        return self._pending
 
     @property
     def auth_headers(self) -> dict[str, str] | None:
@@ -102,15 +109,19 @@ class Backend:
         self._area = self.area(now)
         self._area_at = now
 
-    def lease(self) -> Lease:
+    def lease(self, tokens: int = 0) -> Lease:
+        """`tokens`: the uncached prompt tokens it brings (prefix affinity), counted until its first token or its
+        release."""
         now = clock()
         self._tick(now)
         self._inflight += 1
-        return Lease(self, now)
+        self._pending += tokens
+        return Lease(self, now, tokens)
 
-    def _release(self) -> None:
+    def _release(self, tokens: int = 0) -> None:
         self._tick(clock())
         self._inflight -= 1
+        self._pending = max(0, self._pending - tokens)
         if self._inflight < 0:
             # Leases release once, so this is an accounting bug: say so (tests fail on this line's log record),
             # then keep the backend routable rather than idle-looking for ever.
@@ -161,11 +172,12 @@ class Backend:
 class Lease:
     """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
 
-    __slots__ = ("backend", "_released", "_t0", "_area0")
+    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens")
 
-    def __init__(self, backend: Backend, now: float) -> None:
+    def __init__(self, backend: Backend, now: float, tokens: int = 0) -> None:
         self.backend = backend
         self._released = False
+        self._tokens = tokens
         self._t0, self._area0 = now, backend.area(now)
 
     def mean_inflight(self) -> float:
@@ -179,10 +191,16 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    def prefilled(self) -> None:
+        """The first token came: its uncached tokens are no longer prefill queued on the backend (once)."""
+        if self._tokens and not self._released:
+            self.backend._pending = max(0, self.backend._pending - self._tokens)
+            self._tokens = 0
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.backend._release()
+            self.backend._release(self._tokens)
 
 
 class Pools:
@@ -230,19 +248,20 @@ class Pools:
         d = decide(self.policy, self.view, pinned, self.rng)
         if d is None:
             return None
-        placement = None
+        placement, tokens = None, 0
         if self.affinity is not None and prompt is not None:
             d, placement = self.affinity.place(d, self.view, prompt, self.rng)
-            self.affinity.sent(d.backend, placement)
-        return d.backend.lease(), d, placement
+            tokens = self.affinity.sent(d.backend, placement)
+        return d.backend.lease(tokens), d, placement
 
     def acquire_retry(self, failed: Backend, placement: Placement | None = None) -> Lease | None:
         target = retry_target(self.view, failed.url, failed.pool, self.rng)
         if target is None:
             return None
+        tokens = 0
         if placement is not None and self.affinity is not None:
-            self.affinity.sent(target, placement)
-        return target.lease()
+            tokens = self.affinity.sent(target, placement)
+        return target.lease(tokens)
 
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -184,7 +185,9 @@ def test_how_much_load_a_prefix_holds_grows_with_its_length():
     short, longer = long_prompt(2, 8_000), long_prompt(3, 80_000)
     for p in (short, longer):
         aff.index.of("a", 0, 10_000).insert(p.blocks)
-    view = View.of([B("a", 20), B("b", 2)])
+    # 48 requests more (0.48 s at the 10 ms prior) against ~1.8k held tokens, priced twice (re-prefilled, and
+    # evicting as much elsewhere): 0.36 s; the 20k-token prefix: 4 s
+    view = View.of([B("a", 50), B("b", 2)])
     assert aff.place(Decision(view.backends[1], BELOW), view, short, random.Random(0))[0].url == "b"
     assert aff.place(Decision(view.backends[1], BELOW), view, longer, random.Random(0))[0].url == "a"
 
@@ -199,6 +202,66 @@ def test_no_match_and_single_and_no_text():
     for kind in (prefix.NO_TEXT, prefix.IMAGE, prefix.TOKEN_IDS):
         d, pl = aff.place(Decision(view.backends[0], BELOW), view, prefix.Prompt(kind, 10, []), random.Random(0))
         assert d.url == "a" and pl.reason == kind  # the policy's choice, unchanged
+
+
+@dataclass
+class Busy:
+    """A backend view with the uncached prompt tokens its leases hold (router.pools.Backend.pending_tokens)."""
+
+    url: str
+    load_estimate: int
+    pending_tokens: int
+    pool: str = "baseline"
+    routable: bool = True
+
+
+@pytest.mark.parametrize("pending_a, pending_b, expect_url, reason", [
+    (0, 0, "a", AFFINITY),  # nothing queued anywhere: the instance holding the prompt
+    (6_000, 0, "a", AFFINITY),  # half a prompt of prefill queued there costs less than re-prefilling all of it
+    # more queued there than the prompt itself, but less than twice: a copy elsewhere is prefilled now and
+    # evicts as much of other conversations there, so it stays
+    (20_000, 0, "a", AFFINITY),
+    (40_000, 0, "b", LOAD_OVERRIDE),  # three long prompts still prefilling there: the idle one, re-prefill and all
+    (40_000, 30_000, "a", AFFINITY),  # both queued alike: the prefix decides again
+])
+def test_prefill_queued_ahead_counts_in_the_unit_of_the_prefill_saved(pending_a, pending_b, expect_url, reason):
+    """The same two request counts, different prefill queued behind them: the rule weighs work, not counts."""
+    aff = Affinity()
+    p = long_prompt(11)  # 52 kB: ~13k tokens, all held by "a"
+    aff.index.of("a", 0, 1000).insert(p.blocks)
+    view = View.of([Busy("a", 3, pending_a), Busy("b", 3, pending_b)])
+    d, pl = aff.place(Decision(view.backends[1], BELOW), view, p, random.Random(0))
+    assert (d.url, pl.reason) == (expect_url, reason)
+
+
+def test_leases_count_the_uncached_tokens_they_bring_until_released():
+    ps = pools_with_affinity(2)
+    lease, d, pl = ps.place(None, prompt_for(conversation(3)))
+    b = ps.by_url[d.url]
+    assert b.pending_tokens == pl.prompt_tokens > 0  # nothing cached yet: all of it is to prefill
+    lease2, d2, pl2 = ps.place(None, prompt_for(conversation(4)))  # the next turn, mostly held by b now
+    other = ps.by_url[d2.url]
+    held = pl2.prompt_tokens - pl2.expected_cached if d2.url == d.url else pl2.prompt_tokens
+    assert other.pending_tokens == (pl.prompt_tokens if other is b else 0) + held
+    for le in (lease, lease2, lease):  # a second release of the same lease changes nothing
+        le.release()
+    assert all(x.pending_tokens == 0 for x in ps.backends)
+
+
+def test_ttft_learning_keeps_load_in_the_rule_under_queueing():
+    """A TTFT made long by queueing is prefill work ahead, not a slower prefill of the prompt alone: the learned
+    rate rises for both terms together, and an instance with a long queue still loses the conversation."""
+    aff = Affinity()
+    p = long_prompt(12)
+    ptok = int(p.nbytes / aff.bytes_per_token)
+    for _ in range(200):  # every answer waited behind 3 prompts' worth of prefill: 4 prompts in 4 s
+        pl = Placement(NO_MATCH, p, 0, ptok, 0, pending_ahead=3 * ptok)
+        aff.observe(Observation("baseline", "u", 4, 4, 10.0, 4.0, 100, 100, True, 4.0, ptok, 0), pl)
+    assert aff.costs("baseline").prefill_s == pytest.approx(4.0 / (4 * ptok), rel=0.05)
+    aff.index.of("a", 0, 1000).insert(p.blocks)
+    view = View.of([Busy("a", 4, 3 * ptok), Busy("b", 1, 0)])
+    d, pl = aff.place(Decision(view.backends[1], BELOW), view, p, random.Random(0))
+    assert (d.url, pl.reason) == ("b", LOAD_OVERRIDE)
 
 
 def test_a_queue_beyond_max_running_costs_whole_requests():

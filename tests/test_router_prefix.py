@@ -30,17 +30,27 @@ class Conversation:
         self.cached: list[int] = []
         self.prompt: list[int] = []
 
-    async def turn(self, extra_body: dict | None = None) -> None:
+    async def turn(self, extra_body: dict | None = None, stream: bool = False) -> None:
         self.messages.append({"role": "user", "content": user_turn(self.conv, len(self.backends))})
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model="m", messages=self.messages, max_tokens=8, extra_body=extra_body)
-        resp = raw.parse()
+        if stream:
+            raw = await self.client.chat.completions.with_raw_response.create(
+                model="m", messages=self.messages, max_tokens=8, extra_body=extra_body, stream=True,
+                stream_options={"include_usage": True})
+            text, usage = [], None
+            async for chunk in raw.parse():
+                text += [c.delta.content or "" for c in chunk.choices]
+                usage = chunk.usage or usage
+            content = "".join(text)
+        else:
+            raw = await self.client.chat.completions.with_raw_response.create(
+                model="m", messages=self.messages, max_tokens=8, extra_body=extra_body)
+            resp = raw.parse()
+            usage, content = resp.usage, resp.choices[0].message.content
         self.backends.append(raw.headers["x-router-backend"])
-        usage = resp.usage
         assert usage is not None and usage.prompt_tokens_details is not None
         self.cached.append(usage.prompt_tokens_details.cached_tokens or 0)
         self.prompt.append(usage.prompt_tokens)
-        self.messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+        self.messages.append({"role": "assistant", "content": content})
 
 
 async def test_turns_stay_on_the_instance_holding_their_prefix_under_moderate_load(sim_factory, router_factory):
@@ -51,9 +61,11 @@ async def test_turns_stay_on_the_instance_holding_their_prefix_under_moderate_lo
 
         async def run(c: Conversation) -> None:
             for _ in range(5):
-                await c.turn()
+                await c.turn(stream=True)
 
         # Six conversations at once: each instance has work from others while a conversation's next turn arrives.
+        # Streamed, as chat clients do: the router sees each first token, so a request decoding on an instance
+        # no longer counts as prefill queued there (a non-streamed one does until its answer: docs/ROUTER.md).
         await asyncio.gather(*(run(c) for c in convs))
     for c in convs:
         assert len(set(c.backends)) == 1, c.backends  # every turn where its prefix is
@@ -152,3 +164,26 @@ async def test_a_malformed_or_too_large_body_does_not_grow_the_index(sim_factory
                           + b"a" * 5000, headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400
     assert all(router.state.pools.affinity.index.size(x.url) == 0 for x in sims)
+
+
+async def test_a_streams_prompt_counts_as_queued_prefill_until_its_first_token_a_buffered_one_until_its_end(
+        sim_factory, router_factory):
+    sim = await sim_factory(speedup=5, enable_cache_report=True)
+    router = await router_factory([], [sim.url])
+    b = router.state.pools.by_url[sim.url]
+    body = {"model": "m", "messages": [{"role": "user", "content": user_turn(1, 0, 2000)}], "max_tokens": 200,
+            "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readany()  # the first chunk: the prompt is prefilled, it is decoding now
+            assert b.inflight == 1 and b.pending_tokens == 0
+            await r.read()
+        other = {**body, "messages": [{"role": "user", "content": user_turn(2, 0, 2000)}]}  # not cached
+        task = asyncio.create_task(s.post(router.url + "/v1/chat/completions", json=other))
+        assert await poll(lambda: b.inflight == 1, 5.0)
+        assert b.pending_tokens > 1000  # nothing tells the router its first token came
+        resp = await task
+        assert resp.status == 200
+        await resp.read()
+    assert b.inflight == 0 and b.pending_tokens == 0
