@@ -4,7 +4,8 @@
 # each on a 2-core machine (speedup 8). usage: bash bench/results/prefixcompare/run.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=${1:-bench/results/prefixcompare}
+OUT=bench/results/prefixcompare
+if [ $# -gt 0 ]; then OUT=$1; fi
 PY=.venv/bin/python
 mkdir -p "$OUT"
 echo "load average at start: $(cat /proc/loadavg)" | tee "$OUT/loadavg.txt"
