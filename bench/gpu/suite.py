@@ -505,8 +505,8 @@ def draft(run: Run) -> None:
                 ref, _ = K.draft_step(e.float(), x.float(), {k: v.float() for k, v in d.items()}, s, 4, True)
                 run.check(f"draft step {target} tp{tp} vocab{vocab}", out, ref, 2e-2)
                 d = None
-                per_copy = s.dense_params() * 2
-                R = max(2, n_copies(per_copy, lo=2, hi=4))
+                copy_bytes = s.dense_params() * 2
+                R = max(2, n_copies(copy_bytes, lo=2, hi=4))
                 ds = [K.make_dense(s) for _ in range(R)]
                 for name, (topk, mult) in variants.items():
                     for B in ([1, 8] if run.quick else [1, 8, 32]):
