@@ -97,6 +97,10 @@ def test_builtin_adaptive_profiles_are_what_the_step_cost_model_writes():
     # the chain's acceptance: 0.7 per token, 2.53 at the nominal 3 steps
     assert p.accept_length_general == pytest.approx(stepcost.chain_accept_length(3, 0.7), abs=1e-3)
     assert load_profile("adaptive-good-tp8").accept_length_general == pytest.approx(3.0, abs=1e-3)
+    # sensitivity: the per-token acceptance in hundredths, for adaptive and for a static chain
+    assert load_profile("seed.adaptive-a55-tp8").accept_length_general == pytest.approx(
+        stepcost.chain_accept_length(3, 0.55), abs=1e-3)
+    assert load_profile("seed.chain1-a55-tp8").accept_length_general == pytest.approx(1.55)
 
 
 def test_zero_steps_still_pays_the_draft_extend_pass():

@@ -24,3 +24,6 @@ for preset in seed kimi-k25-h200-nvlink compose llama70b-h200-nvlink; do
   run "$preset-eagle3" --preset "$preset"
   run "$preset-eagle3-good" --preset "$preset" --drafter eagle3-good
 done
+# sensitivity: the chain's per-token acceptance (0.7 assumed) at the low end of its stated range
+run seed-adaptive-a55 --preset seed --adaptive-profile seed.adaptive-a55-tp8
+run kimi-k25-h200-nvlink-adaptive-a55 --preset kimi-k25-h200-nvlink --adaptive-profile kimi-k25-h200-nvlink.adaptive-a55-tp8

@@ -617,6 +617,7 @@ def setting(text: str, alpha: float = CHAIN_ALPHA, tree_accept: float = SEED_TRE
         return BASELINE
     if text == "tree":
         return tree(accept_length=tree_accept)
+    text, alpha = _alpha_suffix(text, alpha)
     if text.endswith("-good"):
         text, alpha = text.removesuffix("-good"), GOOD_CHAIN_ALPHA
         if not text.startswith("chain"):
@@ -624,9 +625,19 @@ def setting(text: str, alpha: float = CHAIN_ALPHA, tree_accept: float = SEED_TRE
     if text.startswith("chain") and text[5:].isdigit() and 1 <= int(text[5:]) <= 16:
         k = int(text[5:])
         spec = chain(k, chain_accept_length(k, alpha))
-        return spec if alpha == CHAIN_ALPHA else replace(spec, name=f"{spec.name}-good")
+        if alpha == CHAIN_ALPHA:
+            return spec
+        return replace(spec, name=f"{spec.name}-good" if alpha == GOOD_CHAIN_ALPHA else f"{spec.name}-a{alpha * 100:02.0f}")
     raise ShapeError(f"unknown speculative setting {text!r}: baseline, tree, chainK, chainK-good (K = 1..16), "
                      "adaptive or adaptive-good")
+
+
+def _alpha_suffix(text: str, alpha: float) -> tuple[str, float]:
+    """`chain3-a55`, `adaptive-a80`: a chain's per-token acceptance given in hundredths (sensitivity runs)."""
+    head, sep, tail = text.rpartition("-a")
+    if sep and tail.isdigit() and len(tail) == 2 and 1 <= int(tail) <= 99:
+        return head, int(tail) / 100
+    return text, alpha
 
 
 def chain_alpha(length: float, steps: int) -> float:
@@ -674,7 +685,8 @@ def profile_by_name(name: str) -> Profile:
     what, _, tp_text = rest.rpartition("-tp")
     try:
         box = presets.box(head)
-        adaptive = what in ("adaptive", "adaptive-good")
+        what_alpha, alpha = _alpha_suffix(what, CHAIN_ALPHA)
+        adaptive = what_alpha in ("adaptive", "adaptive-good")
         spec = chain(ADAPTIVE_NOMINAL_STEPS, 1.0) if adaptive else setting(what)
         tp = int(tp_text) if tp_text.isdigit() else 0
         if tp < 1 or tp > box.gpus:
@@ -684,8 +696,8 @@ def profile_by_name(name: str) -> Profile:
                                         memory.Hardware(tp, box.gpu.memory_gib))
             if not fit.fits:
                 raise ShapeError(f"{name}: {fit.reason}")
-            good = what == "adaptive-good"
-            return derive_adaptive_profile(box, GOOD_CHAIN_ALPHA if good else CHAIN_ALPHA, tp, name=name,
+            good = what_alpha == "adaptive-good"
+            return derive_adaptive_profile(box, GOOD_CHAIN_ALPHA if good else alpha, tp, name=name,
                                            coding_ratio=CODING_RATIO["good" if good else "seed"])
         kind = memory.TP_EAGLE3 if spec.draft else memory.TP_BASELINE
         fit = memory.fit_deployment(kind, memory_model(box.shape), memory.Hardware(tp, box.gpu.memory_gib))

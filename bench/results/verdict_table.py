@@ -1,0 +1,73 @@
+"""The verdict map's tables from the committed runs in bench/results/verdict/ (demo-*.json: closed loop;
+trace-*.json: Kimi's trace). `.venv/bin/python bench/results/verdict_table.py` prints them as markdown."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "verdict"
+NOISE = 0.03
+SHORT = {"tp8-baseline": "TP8 baseline", "tp8-eagle3": "TP8 EAGLE-3", "tp8-adaptive": "TP8 adaptive",
+         "split+balanced": "split", "colocated+global": "co-located"}
+
+
+def winners(values: dict[str, float], higher: bool = True) -> str:
+    """The best, and every other within the noise band of it ("a = b")."""
+    best = (max if higher else min)(values, key=values.get)
+    top = values[best]
+    near = [n for n, v in values.items() if (v >= top * (1 - NOISE) if higher else v <= top * (1 + NOISE))]
+    near.sort(key=lambda n: -values[n] if higher else values[n])
+    return " = ".join(SHORT.get(n, n) for n in near)
+
+
+def demo_table(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    res, prof, unfit = d["results"], d["profiles"], d.get("unfit") or {}
+    names = list(res)
+    base = {f["concurrency"]: f["output_throughput"] for f in res["tp8-baseline"]}
+    lines = [f"**{path.stem}** (profiles: " + ", ".join(f"{k} {v}" for k, v in prof.items()) + ")",
+             "does not fit: " + ("; ".join(f"{k}: {v}" for k, v in unfit.items()) if unfit else "none")
+             + ("" if not unfit or "split+balanced" not in res else " (run anyway, as if it did: never recommended)"),
+             "", "| conc | " + " | ".join(f"{SHORT.get(n, n)} tok/s (x baseline)" for n in names) + " | winner (3% band) |",
+             "|---:|" + "---:|" * len(names) + "---|"]
+    for i, c in enumerate(base):
+        vals = {n: res[n][i]["output_throughput"] for n in names if i < len(res[n]) and res[n][i].get("completed")}
+        fit_vals = {n: v for n, v in vals.items() if not ((n == "split+balanced" and "split" in unfit)
+                                                            or (n == "colocated+global" and "colocated" in unfit))}
+        cells = [f"{vals[n]:.0f} ({vals[n] / base[c]:.2f}x)" if n in vals else "-" for n in names]
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {winners(fit_vals)} |")
+    return lines
+
+
+def trace_table(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    res = d["results"]
+    names = list(res)
+    lines = [f"**{path.stem}**", "", "| offered req/s | " + " | ".join(SHORT.get(n, n) for n in names)
+             + " | most goodput (then lowest TTFT p50) |", "|---:|" + "---|" * len(names) + "---|"]
+    for i, f0 in enumerate(res[names[0]]):
+        cells, score = [], {}
+        for n in names:
+            f = res[n][i]
+            cells.append(f"{f['output_throughput']:.0f} tok/s, TTFT {f['median_ttft_ms'] / 1000:.1f} s, TPOT "
+                         f"{f['mean_tpot_ms']:.0f} ms, good {f['request_goodput']:.2f}/s")
+            score[n] = f["request_goodput"]
+        top = max(score.values())
+        near = {n: res[n][i]["median_ttft_ms"] for n, v in score.items() if v >= top * (1 - NOISE)}
+        lines.append(f"| {f0['request_rate']:.2f} | " + " | ".join(cells) + f" | {winners(near, higher=False)} |")
+    return lines
+
+
+def main() -> int:
+    out: list[str] = []
+    for path in sorted(HERE.glob("demo-*.json")):
+        out += demo_table(path) + [""]
+    for path in sorted(HERE.glob("trace-*.json")):
+        out += trace_table(path) + [""]
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
