@@ -8,15 +8,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "verdict"
 NOISE = 0.03
+TRACE_BAND = 0.10
 SHORT = {"tp8-baseline": "TP8 baseline", "tp8-eagle3": "TP8 EAGLE-3", "tp8-adaptive": "TP8 adaptive",
          "split+balanced": "split", "colocated+global": "co-located"}
 
 
-def winners(values: dict[str, float], higher: bool = True) -> str:
-    """The best, and every other within the noise band of it ("a = b")."""
+def winners(values: dict[str, float], higher: bool = True, band: float = NOISE) -> str:
+    """The best, and every other within the band of it ("a = b")."""
     best = (max if higher else min)(values, key=values.get)
     top = values[best]
-    near = [n for n, v in values.items() if (v >= top * (1 - NOISE) if higher else v <= top * (1 + NOISE))]
+    near = [n for n, v in values.items() if (v >= top * (1 - band) if higher else v <= top * (1 + band))]
     near.sort(key=lambda n: -values[n] if higher else values[n])
     return " = ".join(SHORT.get(n, n) for n in near)
 
@@ -45,7 +46,7 @@ def trace_table(path: Path) -> list[str]:
     res = d["results"]
     names = list(res)
     lines = [f"**{path.stem}**", "", "| offered req/s | " + " | ".join(SHORT.get(n, n) for n in names)
-             + " | most goodput (then lowest TTFT p50) |", "|---:|" + "---|" * len(names) + "---|"]
+             + " | most goodput, then lowest TTFT p50 (10% bands: one run of 138 requests) |", "|---:|" + "---|" * len(names) + "---|"]
     for i, f0 in enumerate(res[names[0]]):
         cells, score = [], {}
         for n in names:
@@ -54,8 +55,9 @@ def trace_table(path: Path) -> list[str]:
                          f"{f['mean_tpot_ms']:.0f} ms, good {f['request_goodput']:.2f}/s")
             score[n] = f["request_goodput"]
         top = max(score.values())
-        near = {n: res[n][i]["median_ttft_ms"] for n, v in score.items() if v >= top * (1 - NOISE)}
-        lines.append(f"| {f0['request_rate']:.2f} | " + " | ".join(cells) + f" | {winners(near, higher=False)} |")
+        near = {n: res[n][i]["median_ttft_ms"] for n, v in score.items() if v >= top * (1 - TRACE_BAND)}
+        lines.append(f"| {f0['request_rate']:.2f} | " + " | ".join(cells)
+                     + f" | {winners(near, higher=False, band=TRACE_BAND)} |")
     return lines
 
 

@@ -12,6 +12,7 @@ curves for another workload, stated in the report; the TP8 servers need no curve
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -46,11 +47,38 @@ def main() -> int:
     else:
         fits = memory.fit_all(memory.KIMI_K25, memory.SEED_BOX)
     kv = {k: [s.max_total_num_tokens for s in f.servers] for k, f in fits.items() if f.fits}
-    k = args.speedup
-    common = ["--enable-cache-report"]
     log = [f"case {args.case}: profiles {prof}", f"does not fit: {unfit or 'none'}", f"KV budgets: {kv}",
            f"load average at start: {Path('/proc/loadavg').read_text().strip()}"]
     t0 = time.monotonic()
+    texts, merged = [], None
+    # fresh servers for every level: a prefix cache warmed by the level before would serve the next one's prompts
+    for level in args.levels.split(","):
+        stem = f"trace-{args.case}-s{level}"
+        text, rc = run_level(args, prof, unfit, kv, level, stem, log)
+        texts.append(text)
+        if rc:
+            print(text)
+            return rc
+        part = json.loads((args.out / f"{stem}.json").read_text())
+        if merged is None:
+            merged = part
+        else:
+            for name, figs in part["results"].items():
+                merged["results"][name] += figs
+        for ext in ("json", "csv"):
+            (args.out / f"{stem}.{ext}").unlink(missing_ok=True)
+    merged["levels_note"] = "each level on freshly started servers (cold prefix caches)"
+    (args.out / f"trace-{args.case}.json").write_text(json.dumps(merged, indent=1))
+    log.append(f"load average at end: {Path('/proc/loadavg').read_text().strip()}; wall {time.monotonic() - t0:.0f} s")
+    text = "\n".join(log) + "\n\n" + "\n\n".join(texts)
+    (args.out / f"trace-{args.case}.txt").write_text(text)
+    print(text)
+    return 0
+
+
+def run_level(args, prof: dict, unfit: dict, kv: dict, level: str, stem: str, log: list[str]) -> tuple[str, int]:
+    k = args.speedup
+    common = ["--enable-cache-report"]
     with procs.ProcGroup() as group:
         targets = {}
         for name, p, kind in ((demo.TP8_BASE, prof["base8"], memory.TP_BASELINE),
@@ -82,17 +110,13 @@ def main() -> int:
         cmd = [sys.executable, "-m", "bench", "replay", "--trace",
                str(ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace_first_30min.jsonl"),
                "--sample-conversations", str(args.sample), "--window-end", str(args.window_end), "--speedup", f"{k:g}",
-               "--mooncake-slowdown-factor", args.levels, "--slo-ttft", "5000", "--slo-tpot", "100",
-               "--out", str(args.out), "--name", f"trace-{args.case}", "--no-plot"]
+               "--mooncake-slowdown-factor", level, "--slo-ttft", "5000", "--slo-tpot", "100",
+               "--out", str(args.out), "--name", stem, "--no-plot"]
         for name, url in targets.items():
             cmd += ["--target", f"{name}={url}"]
-        log.append("command: " + " ".join(cmd[1:]))
+        log.append(f"command (slowdown {level}, fresh servers): " + " ".join(cmd[1:]))
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    log.append(f"load average at end: {Path('/proc/loadavg').read_text().strip()}; wall {time.monotonic() - t0:.0f} s")
-    text = "\n".join(log) + "\n\n" + out.stdout + out.stderr[-3000:]
-    (args.out / f"trace-{args.case}.txt").write_text(text)
-    print(text)
-    return out.returncode
+    return out.stdout + out.stderr[-3000:], out.returncode
 
 
 if __name__ == "__main__":
