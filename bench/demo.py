@@ -72,6 +72,9 @@ def main(argv: list[str]) -> int:
                    "seed, compose, kimi-k25-h200-nvlink, llama70b-h200-nvlink, ...): PRESET.baseline-tpN, "
                    "PRESET.tree-tpN (--drafter eagle3) or PRESET.chain3-good-tpN (eagle3-good), "
                    "PRESET.adaptive[-good]-tp8; deployments that do not fit its GPUs are not run")
+    p.add_argument("--speculative-cap", type=positive(int), default=None, metavar="N",
+                   help="--max-running-requests of the TP8 EAGLE-3 and adaptive servers (default: SGLang's 48 "
+                        "for a speculative server)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=positive(int), default=128)
     p.add_argument("--speedup", type=positive(float), default=10.0)
@@ -118,8 +121,10 @@ def main(argv: list[str]) -> int:
                      "NOT co-located (this build has no co-located simulator: 16 GPUs)")
                   + f", router global, threshold {g_threshold} in flight, hysteresis {hysteresis}"
                   + fit_note("colocated") + "\n"
-                  f"  {TP8_SPEC:<17} {prof['spec8']} alone\n"
-                  f"  {TP8_ADAPTIVE:<17} {prof['adaptive']} alone (SGLang --speculative-adaptive, default table)\n"
+                  f"  {TP8_SPEC:<17} {prof['spec8']} alone"
+                  + (f" (--max-running-requests {ns.speculative_cap})" if ns.speculative_cap else "") + "\n"
+                  f"  {TP8_ADAPTIVE:<17} {prof['adaptive']} alone (SGLang --speculative-adaptive, default table"
+                  + (f", --max-running-requests {ns.speculative_cap}" if ns.speculative_cap else "") + ")\n"
                   f"concurrency {','.join(map(str, ns.concurrency))}, max_tokens {ns.max_tokens}\n", flush=True)
             cfg = SweepConfig(targets=list(urls.items()), concurrency=ns.concurrency, max_tokens=ns.max_tokens,
                               speedup=ns.speedup, rounds=2, min_requests=8)
@@ -183,10 +188,11 @@ def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: in
            hysteresis: int, skip: set[str] = frozenset()) -> tuple[dict[str, str], dict[str, int], bool]:
     """All simulators at once (each takes a second or two to come up), then the routers; `skip`: deployment
     kinds ("split", "colocated") not run."""
+    cap = ["--max-running-requests", str(ns.speculative_cap)] if ns.speculative_cap else None
     jobs = {
         TP8_BASE: lambda: procs.start_sim(prof["base8"], ns.speedup, TP8_BASE),
-        TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC),
-        TP8_ADAPTIVE: lambda: procs.start_sim(prof["adaptive"], ns.speedup, TP8_ADAPTIVE),
+        TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC, cap),
+        TP8_ADAPTIVE: lambda: procs.start_sim(prof["adaptive"], ns.speedup, TP8_ADAPTIVE, cap),
     }
     if "split" not in skip:
         jobs["spec4"] = lambda: procs.start_sim(prof["spec4"], ns.speedup, "split speculative")

@@ -27,3 +27,6 @@ done
 # sensitivity: the chain's per-token acceptance (0.7 assumed) at the low end of its stated range
 run seed-adaptive-a55 --preset seed --adaptive-profile seed.adaptive-a55-tp8
 run kimi-k25-h200-nvlink-adaptive-a55 --preset kimi-k25-h200-nvlink --adaptive-profile kimi-k25-h200-nvlink.adaptive-a55-tp8
+# sensitivity: the TP8 speculative servers' cap (SGLang's default 48) raised to 64, where the split won at 64 clients
+run compose-eagle3-good-cap64 --preset compose --drafter eagle3-good --speculative-cap 64
+run llama70b-h200-nvlink-eagle3-good-cap64 --preset llama70b-h200-nvlink --drafter eagle3-good --speculative-cap 64
