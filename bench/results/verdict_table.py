@@ -46,7 +46,7 @@ def trace_table(path: Path) -> list[str]:
     res = d["results"]
     names = list(res)
     lines = [f"**{path.stem}**", "", "| offered req/s | " + " | ".join(SHORT.get(n, n) for n in names)
-             + " | most goodput, then lowest TTFT p50 (10% bands: one run of 138 requests) |", "|---:|" + "---|" * len(names) + "---|"]
+             + " | most goodput (requests/s within both SLOs; 10% band: one run of 138 requests) |", "|---:|" + "---|" * len(names) + "---|"]
     for i, f0 in enumerate(res[names[0]]):
         cells, score = [], {}
         for n in names:
@@ -54,10 +54,8 @@ def trace_table(path: Path) -> list[str]:
             cells.append(f"{f['output_throughput']:.0f} tok/s, TTFT {f['median_ttft_ms'] / 1000:.1f} s, TPOT "
                          f"{f['mean_tpot_ms']:.0f} ms, good {f['request_goodput']:.2f}/s")
             score[n] = f["request_goodput"]
-        top = max(score.values())
-        near = {n: res[n][i]["median_ttft_ms"] for n, v in score.items() if v >= top * (1 - TRACE_BAND)}
         lines.append(f"| {f0['request_rate']:.2f} | " + " | ".join(cells)
-                     + f" | {winners(near, higher=False, band=TRACE_BAND)} |")
+                     + f" | {winners(score, band=TRACE_BAND)} |")
     return lines
 
 
