@@ -21,3 +21,7 @@ for c in "${cases[@]}"; do
   nice -n 10 $PY bench/results/verdict_trace.py "$c" ${FLAGS[$c]} > /dev/null 2>&1 || echo "$c failed" >&2
   echo "$c done at $(date -u +%T), load average $(cat /proc/loadavg)" >&2
 done
+# Llama-70B at 0.62 req/s overloads every deployment (its prefill in the step-cost model is ~0.26 ms a token):
+# the level between, 0.31 req/s, on fresh servers
+#   .venv/bin/python bench/results/verdict_trace.py compose-eagle3-mid --preset compose --levels 0.5
+#   .venv/bin/python bench/results/verdict_trace.py compose-eagle3-good-mid --preset compose --drafter eagle3-good --levels 0.5
