@@ -46,7 +46,7 @@ def trace_table(path: Path) -> list[str]:
     res = d["results"]
     names = list(res)
     lines = [f"**{path.stem}**", "", "| offered req/s | " + " | ".join(SHORT.get(n, n) for n in names)
-             + " | most goodput (requests/s within both SLOs; 10% band: one run of 138 requests) |", "|---:|" + "---|" * len(names) + "---|"]
+             + " | most goodput (requests/s within both SLOs; 10% band: one run of 138 requests), then lowest TPOT |", "|---:|" + "---|" * len(names) + "---|"]
     for i, f0 in enumerate(res[names[0]]):
         cells, score = [], {}
         for n in names:
@@ -58,7 +58,11 @@ def trace_table(path: Path) -> list[str]:
             out = {n: res[n][i]["output_throughput"] for n in names}
             verdict = f"none meets the SLOs; most output: {winners(out, band=TRACE_BAND)}"
         else:
+            top = max(score.values())
+            tied = {n: res[n][i]["mean_tpot_ms"] for n, v in score.items() if v >= top * (1 - TRACE_BAND)}
             verdict = winners(score, band=TRACE_BAND)
+            if len(tied) > 1:
+                verdict += f"; of those, lowest TPOT: {winners(tied, higher=False, band=TRACE_BAND)}"
         lines.append(f"| {f0['request_rate']:.2f} | " + " | ".join(cells) + f" | {verdict} |")
     return lines
 
