@@ -241,6 +241,8 @@ def render(adv: Advice) -> str:
         lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
                      "(an upper bound on its controller): " +
                      ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
+        lines.append("    (its controller picks by measured acceptance, not cost: `spec-bench sim --profile "
+                     "PRESET.adaptive-tp8` runs it; `spec-bench demo --preset PRESET` compares it)")
     lines.append("")
     if spec_ok:
         lines.append("RUN (throughput): " + _bands(adv.best_tput))
