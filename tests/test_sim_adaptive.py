@@ -112,6 +112,9 @@ def test_zero_steps_still_pays_the_draft_extend_pass():
         # the 0-step curve is the target's decode plus the draft's extend over n tokens, dearer than a baseline
         assert p.adaptive_step_ms(0, n) > base.step_ms(n)
         assert p.adaptive_step_ms(0, n) - base.step_ms(n) == pytest.approx(extend, rel=0.02)
+        # the low-end variant (-xk): the extend pass's kernels only, no per-forward fixed cost
+        low = load_profile("seed.adaptive-xk-tp8").adaptive_step_ms(0, n)
+        assert low - base.step_ms(n) == pytest.approx(extend - box.cal.fixed_ms, rel=0.05, abs=0.01)
 
 
 def test_adaptive_profile_validation(tmp_path):

@@ -651,10 +651,12 @@ def chain_alpha(length: float, steps: int) -> float:
 
 def derive_adaptive_profile(box: Box, alpha: float = CHAIN_ALPHA, tp: int | None = None, *,
                             coding_ratio: float = CODING_RATIO["seed"], name: str | None = None,
-                            max_total_num_tokens: int | None = None, description: str = "") -> Profile:
+                            max_total_num_tokens: int | None = None, description: str = "",
+                            extend_fixed: bool = True) -> Profile:
     """SGLang --speculative-adaptive on one server (topk 1): a step curve per draft step count (0: the target
     decodes and the draft runs its extend pass), accept lengths stated at ADAPTIVE_NOMINAL_STEPS from a chain's
-    per-token acceptance `alpha` (coding prompts: `coding_ratio` x that length)."""
+    per-token acceptance `alpha` (coding prompts: `coding_ratio` x that length). `extend_fixed` False: the 0-step
+    extend pass without the per-forward fixed_ms (kernels only: the low end of its cost, docs/SIMULATOR.md)."""
     lay = box.layout(tp)
     k0 = ADAPTIVE_NOMINAL_STEPS
     base = derive_profile(box, chain(k0, chain_accept_length(k0, alpha)), tp,
@@ -664,7 +666,8 @@ def derive_adaptive_profile(box: Box, alpha: float = CHAIN_ALPHA, tp: int | None
     curves = {}
     for k in ADAPTIVE_CURVE_STEPS:
         spec = ADAPTIVE_OFF if k == 0 else chain(k, 1.0)
-        curves[k] = [(n, round(step_ms(box.shape, lay, box.cal, spec, n), 4)) for n in grid]
+        cut = box.cal.fixed_ms if k == 0 and not extend_fixed else 0.0
+        curves[k] = [(n, round(step_ms(box.shape, lay, box.cal, spec, n) - cut, 4)) for n in grid]
     general = round(chain_accept_length(k0, alpha), 4)
     coding = round(min(general * coding_ratio, k0 + 1.0), 4)
     return base.model_copy(update={
@@ -685,7 +688,8 @@ def profile_by_name(name: str) -> Profile:
     what, _, tp_text = rest.rpartition("-tp")
     try:
         box = presets.box(head)
-        what_alpha, alpha = _alpha_suffix(what, CHAIN_ALPHA)
+        kernels_only = what.endswith("-xk")  # the 0-step extend pass at its low-end cost (sensitivity)
+        what_alpha, alpha = _alpha_suffix(what.removesuffix("-xk"), CHAIN_ALPHA)
         adaptive = what_alpha in ("adaptive", "adaptive-good")
         spec = chain(ADAPTIVE_NOMINAL_STEPS, 1.0) if adaptive else setting(what)
         tp = int(tp_text) if tp_text.isdigit() else 0
@@ -698,7 +702,8 @@ def profile_by_name(name: str) -> Profile:
                 raise ShapeError(f"{name}: {fit.reason}")
             good = what_alpha == "adaptive-good"
             return derive_adaptive_profile(box, GOOD_CHAIN_ALPHA if good else alpha, tp, name=name,
-                                           coding_ratio=CODING_RATIO["good" if good else "seed"])
+                                           coding_ratio=CODING_RATIO["good" if good else "seed"],
+                                           extend_fixed=not kernels_only)
         kind = memory.TP_EAGLE3 if spec.draft else memory.TP_BASELINE
         fit = memory.fit_deployment(kind, memory_model(box.shape), memory.Hardware(tp, box.gpu.memory_gib))
         if not fit.fits:
