@@ -30,3 +30,6 @@ run kimi-k25-h200-nvlink-adaptive-a55 --preset kimi-k25-h200-nvlink --adaptive-p
 # sensitivity: the TP8 speculative servers' cap (SGLang's default 48) raised to 64, where the split won at 64 clients
 run compose-eagle3-good-cap64 --preset compose --drafter eagle3-good --speculative-cap 64
 run llama70b-h200-nvlink-eagle3-good-cap64 --preset llama70b-h200-nvlink --drafter eagle3-good --speculative-cap 64
+# sensitivity: the same, the 0-step extend pass at the low end of its cost (kernels only, no per-forward fixed cost)
+run compose-eagle3-good-cap64-xk --preset compose --drafter eagle3-good --speculative-cap 64 --adaptive-profile compose.adaptive-good-xk-tp8
+run llama70b-h200-nvlink-eagle3-good-cap64-xk --preset llama70b-h200-nvlink --drafter eagle3-good --speculative-cap 64 --adaptive-profile llama70b-h200-nvlink.adaptive-good-xk-tp8
