@@ -102,7 +102,7 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
     if not refs:
         raise BenchInputError("no reference deployment in these files: run `python -m bench compare ... "
                               "--reference tp8=profile:baseline-tp8` (or URL@GPUS) first")
-    if not cands:
+    if not cands and len(refs) < 2:
         raise BenchInputError("no router configuration in these files to judge against the reference")
     if against is None:
         plain = [n for n, (_, _, m) in refs.items() if _not_speculative(m.get("profile"))]

@@ -1,6 +1,7 @@
 """`spec-bench demo`: the deployments a user chooses between on the same 8 simulated GPUs (TP8 baseline
-alone, the TP4+TP4 split with the router, the co-located pair with the router, TP8 EAGLE-3 alone), a short
-sweep of each, and which wins where, in under a minute."""
+alone, the TP4+TP4 split with the router, the co-located pair with the router, TP8 EAGLE-3 alone, TP8 with
+SGLang's --speculative-adaptive), a short sweep of each, and which wins where, in about a minute. Deployments
+whose weights do not fit the GPUs (bench.sim.memory) are named and, with --preset, not run."""
 from __future__ import annotations
 
 import os
@@ -19,18 +20,61 @@ from bench.load import BenchInputError
 from bench.sim.profiles import ProfileError
 
 SPLIT, COLOCATED, TP8_BASE, TP8_SPEC = "split+balanced", "colocated+global", "tp8-baseline", "tp8-eagle3"
+TP8_ADAPTIVE = "tp8-adaptive"
+# the built-in (fitted) families' adaptive twin: the same drafter as a topk-1 chain (bench.sim.stepcost)
+ADAPTIVE_OF = {"eagle3": "adaptive-tp8", "eagle3-good": "adaptive-good-tp8"}
+# --preset: the step-cost model's settings for each drafter (the seed's tree; the better drafter as a 3-step chain)
+PRESET_SETTINGS = {"eagle3": ("tree", "adaptive"), "eagle3-good": ("chain3-good", "adaptive-good")}
+
+
+def profiles(ns) -> tuple[dict[str, str], dict[str, str]]:
+    """The profile of each server, and {deployment kind: why it does not fit} (bench.sim.memory)."""
+    from bench.sim import memory, presets, stepcost
+
+    if ns.preset:
+        if ns.drafter not in PRESET_SETTINGS:
+            raise ArgError(f"--drafter with --preset: one of {', '.join(PRESET_SETTINGS)}, got {ns.drafter!r}")
+        try:
+            box = presets.box(ns.preset)
+        except stepcost.ShapeError as exc:
+            raise ArgError(str(exc)) from None
+        spec, adaptive = PRESET_SETTINGS[ns.drafter]
+        half = box.gpus // 2
+        prof = {"spec8": f"{ns.preset}.{spec}-tp{box.gpus}", "spec4": ns.split_profile or f"{ns.preset}.{spec}-tp{half}",
+                "base8": f"{ns.preset}.baseline-tp{box.gpus}", "base4": f"{ns.preset}.baseline-tp{half}",
+                "adaptive": ns.adaptive_profile or f"{ns.preset}.{adaptive}-tp{box.gpus}"}
+        fits = memory.fit_all(stepcost.memory_model(box.shape), memory.Hardware(box.gpus, box.gpu.memory_gib))
+    else:
+        prof = {"spec8": f"{ns.drafter}-tp8", "spec4": ns.split_profile or f"{ns.drafter}-tp4",
+                "base8": f"{ns.baseline}-tp8", "base4": f"{ns.baseline}-tp4",
+                "adaptive": ns.adaptive_profile or ADAPTIVE_OF.get(ns.drafter, "adaptive-tp8")}
+        # the built-in profiles are Kimi K2.5 on 8 x RTX PRO 6000 (96 GB): the seed's box
+        fits = memory.fit_all(memory.KIMI_K25, memory.SEED_BOX)
+    unfit = {kind: fits[kind].reason for kind in (memory.SPLIT, memory.COLOCATED) if not fits[kind].fits}
+    return prof, unfit
 
 
 def main(argv: list[str]) -> int:
     p = parser("demo",
                "On the same 8 simulated GPUs: TP8 baseline alone, TP4+TP4 split with the router (balanced), the "
-               "co-located TP8 pair with the router (global), TP8 EAGLE-3 alone; which wins where.")
+               "co-located TP8 pair with the router (global), TP8 EAGLE-3 alone, TP8 adaptive speculation "
+               "(SGLang --speculative-adaptive); which wins where, and which do not fit.")
     p.add_argument("--drafter", default="eagle3",
                    help="speculative profile family: DRAFTER-tp8 and DRAFTER-tp4 (default eagle3, the seed "
                         "profiles; eagle3-good for the better drafter)")
     p.add_argument("--baseline", default="baseline", help="baseline profile family (default baseline)")
     p.add_argument("--split-profile", default=None, metavar="PROFILE",
                    help="the split's speculative TP4 profile, a name or a .json file (default DRAFTER-tp4)")
+    p.add_argument("--adaptive-profile", default=None, metavar="PROFILE",
+                   help="the TP8 adaptive-speculation server's profile (default adaptive-tp8, adaptive-good-tp8 "
+                        "for eagle3-good, PRESET.adaptive[-good]-tp8 with --preset)")
+    p.add_argument("--preset", default=None, help="profiles from the step-cost model for this box (bench.sim.presets: "
+                   "seed, compose, kimi-k25-h200-nvlink, llama70b-h200-nvlink, ...): PRESET.baseline-tpN, "
+                   "PRESET.tree-tpN (--drafter eagle3) or PRESET.chain3-good-tpN (eagle3-good), "
+                   "PRESET.adaptive[-good]-tp8; deployments that do not fit its GPUs are not run")
+    p.add_argument("--speculative-cap", type=positive(int), default=None, metavar="N",
+                   help="--max-running-requests of the TP8 EAGLE-3 and adaptive servers (default: SGLang's 48 "
+                        "for a speculative server)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
     p.add_argument("--max-tokens", type=positive(int), default=128)
     p.add_argument("--speedup", type=positive(float), default=10.0)
@@ -40,12 +84,18 @@ def main(argv: list[str]) -> int:
     except ArgError as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
-    prof = {"spec8": f"{ns.drafter}-tp8", "spec4": ns.split_profile or f"{ns.drafter}-tp4",
-            "base8": f"{ns.baseline}-tp8", "base4": f"{ns.baseline}-tp4"}
     try:
-        for name in prof.values():
-            _profile(name)
-        curves = {k: model_curve(v, ns.max_tokens) for k, v in prof.items()}
+        prof, unfit = profiles(ns)
+    except ArgError as exc:
+        print(f"bench demo: {exc}", file=sys.stderr)
+        return 2
+    # with --preset a deployment that does not fit is not run (its TP4 profiles cannot even be derived)
+    skip = set(unfit) if ns.preset else set()
+    need = [k for k in prof if not (k in ("spec4", "base4") and "split" in skip)]
+    try:
+        for k in need:
+            _profile(prof[k])
+        curves = {k: model_curve(prof[k], ns.max_tokens) for k in need if k != "adaptive"}
     except ProfileError as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
@@ -53,17 +103,28 @@ def main(argv: list[str]) -> int:
     hysteresis = default_hysteresis(g_threshold)
     try:
         with procs.ProcGroup() as group:
-            urls, gpus, colocated = _start(ns, group, prof, curves, g_threshold, hysteresis)
+            urls, gpus, colocated = _start(ns, group, prof, curves, g_threshold, hysteresis, skip)
+
+            def fit_note(kind: str) -> str:
+                if kind not in unfit:
+                    return ""
+                return (f"\n  {'':<17} NOT RUN: {unfit[kind]}" if kind in skip else
+                        f"\n  {'':<17} DOES NOT FIT the model these profiles describe ({unfit[kind]}): shown as "
+                        "if it did, never recommended")
             print(f"same {equal.gpus_label(gpus[TP8_BASE])}, simulated (clocks {ns.speedup:g}x fast, figures in "
-                  f"simulated time), four deployments:\n"
+                  f"simulated time), five deployments:\n"
                   f"  {TP8_BASE:<17} {prof['base8']} alone\n"
                   f"  {SPLIT:<17} {prof['spec4']} + {prof['base4']} (GPUs 0-3 and 4-7), router balanced on the "
-                  "profiles' model curves\n"
+                  "profiles' model curves" + fit_note("split") + "\n"
                   f"  {COLOCATED:<17} {prof['spec8']} + {prof['base8']} "
                   + ("time-sharing GPUs 0-7 (half the KV each)" if colocated else
                      "NOT co-located (this build has no co-located simulator: 16 GPUs)")
-                  + f", router global, threshold {g_threshold} in flight, hysteresis {hysteresis}\n"
-                  f"  {TP8_SPEC:<17} {prof['spec8']} alone\n"
+                  + f", router global, threshold {g_threshold} in flight, hysteresis {hysteresis}"
+                  + fit_note("colocated") + "\n"
+                  f"  {TP8_SPEC:<17} {prof['spec8']} alone"
+                  + (f" (--max-running-requests {ns.speculative_cap})" if ns.speculative_cap else "") + "\n"
+                  f"  {TP8_ADAPTIVE:<17} {prof['adaptive']} alone (SGLang --speculative-adaptive, default table"
+                  + (f", --max-running-requests {ns.speculative_cap}" if ns.speculative_cap else "") + ")\n"
                   f"concurrency {','.join(map(str, ns.concurrency))}, max_tokens {ns.max_tokens}\n", flush=True)
             cfg = SweepConfig(targets=list(urls.items()), concurrency=ns.concurrency, max_tokens=ns.max_tokens,
                               speedup=ns.speedup, rounds=2, min_requests=8)
@@ -71,25 +132,30 @@ def main(argv: list[str]) -> int:
     except (BenchInputError, procs.ProcError, ProfileError, NotServing) as exc:
         print(f"bench demo: {exc}", file=sys.stderr)
         return 2
-    configs, refs = [SPLIT, COLOCATED], [TP8_BASE, TP8_SPEC]
-    rows = equal.judge(results, configs, refs, gpus)
-    lines = equal.verdict_lines(rows, configs, refs, gpus)
+    configs = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind not in skip]
+    refs = [TP8_BASE, TP8_SPEC, TP8_ADAPTIVE]
+    rows = equal.judge(results, configs, refs, gpus) if configs else []
+    lines = equal.verdict_lines(rows, configs, refs, gpus) if configs else [
+        f"no router deployment fits these GPUs ({'; '.join(unfit.values())}): only the TP8 servers ran"]
+    ref_profiles = {TP8_BASE: prof["base8"], TP8_SPEC: prof["spec8"], TP8_ADAPTIVE: prof["adaptive"]}
     extra = {"configs": configs, "kinds": {SPLIT: "split", COLOCATED: "colocated"},
-             "references": {TP8_BASE: {"profile": prof["base8"], "url": None, "gpus": gpus[TP8_BASE]},
-                            TP8_SPEC: {"profile": prof["spec8"], "url": None, "gpus": gpus[TP8_SPEC]}},
-             "gpus": gpus, "equal_hardware": rows, "equal_hardware_text": lines,
+             "references": {n: {"profile": ref_profiles[n], "url": None, "gpus": gpus[n]} for n in refs},
+             "gpus": gpus, "equal_hardware": rows, "equal_hardware_text": lines, "unfit": unfit,
              "global_threshold": g_threshold, "hysteresis": hysteresis, "profiles": prof}
     # What to run comes first: when the router's deployments do not pay, the demo says so before any table.
     try:
-        print(breakeven.render(breakeven.make_plan([{"config": cfg.as_dict(), "results": results, **extra}])).splitlines()[0])
+        print(breakeven.render(breakeven.make_plan([{"config": cfg.as_dict(), "results": results, **extra}],
+                                                   unfit=unfit)).splitlines()[0])
     except BenchInputError as exc:
         print(f"recommendation: none ({exc})")
     print(*lines, sep="\n")
     print()
     print(figures.render_table(results, gpus=gpus))
     print()
-    print(equal.render_text(rows, configs, refs, gpus))
-    title = f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), four deployments ({ns.drafter})"
+    if configs:
+        print(equal.render_text(rows, configs, refs, gpus))
+    title = (f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
+             + (f", {ns.preset}" if ns.preset else "") + ")")
     paths = write_outputs(ns.out, "demo", cfg.as_dict(), results, title=title, extra=extra, gpus=gpus)
     print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}")
     print(next_step(paths[0]))
@@ -116,15 +182,20 @@ def next_step(data: Path) -> str:
 
 
 def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: int,
-           hysteresis: int) -> tuple[dict[str, str], dict[str, int], bool]:
-    """All simulators at once (each takes a second or two to come up), then the two routers."""
+           hysteresis: int, skip: set[str] = frozenset()) -> tuple[dict[str, str], dict[str, int], bool]:
+    """All simulators at once (each takes a second or two to come up), then the routers; `skip`: deployment
+    kinds ("split", "colocated") not run."""
+    cap = ["--max-running-requests", str(ns.speculative_cap)] if ns.speculative_cap else None
     jobs = {
         TP8_BASE: lambda: procs.start_sim(prof["base8"], ns.speedup, TP8_BASE),
-        TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC),
-        "spec4": lambda: procs.start_sim(prof["spec4"], ns.speedup, "split speculative"),
-        "base4": lambda: procs.start_sim(prof["base4"], ns.speedup, "split baseline"),
+        TP8_SPEC: lambda: procs.start_sim(prof["spec8"], ns.speedup, TP8_SPEC, cap),
+        TP8_ADAPTIVE: lambda: procs.start_sim(prof["adaptive"], ns.speedup, TP8_ADAPTIVE, cap),
     }
-    jobs["pair"] = lambda: procs.start_colocated(prof["spec8"], prof["base8"], ns.speedup)
+    if "split" not in skip:
+        jobs["spec4"] = lambda: procs.start_sim(prof["spec4"], ns.speedup, "split speculative")
+        jobs["base4"] = lambda: procs.start_sim(prof["base4"], ns.speedup, "split baseline")
+    if "colocated" not in skip:
+        jobs["pair"] = lambda: procs.start_colocated(prof["spec8"], prof["base8"], ns.speedup)
     started: dict = {}
     errors = []
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -138,15 +209,26 @@ def _start(ns, group: procs.ProcGroup, prof: dict, curves: dict, g_threshold: in
         group.add(v[0] if isinstance(v, tuple) else v)
     if errors:
         raise errors[0]
-    _, pair_spec, pair_base = started["pair"]
-    split = group.add(procs.start_router([started["spec4"].url], [started["base4"].url], "balanced", None, extra=[
-        "--speculative-curve", curves["spec4"], "--baseline-curve", curves["base4"]]))
-    pair = group.add(procs.start_router([pair_spec], [pair_base], "global", g_threshold,
-                                        extra=["--hysteresis", str(hysteresis)]))
-    for r in (split, pair):
-        run_async(wait_serving(r.url))
     g8 = equal.profile_gpus(prof["base8"])
-    gpus = {TP8_BASE: g8, SPLIT: equal.profile_gpus(prof["spec4"]) + equal.profile_gpus(prof["base4"]),
-            COLOCATED: max(g8, equal.profile_gpus(prof["spec8"])), TP8_SPEC: equal.profile_gpus(prof["spec8"])}
-    urls = {TP8_BASE: started[TP8_BASE].url, SPLIT: split.url, COLOCATED: pair.url, TP8_SPEC: started[TP8_SPEC].url}
+    gpus = {TP8_BASE: g8, TP8_SPEC: equal.profile_gpus(prof["spec8"]),
+            TP8_ADAPTIVE: equal.profile_gpus(prof["adaptive"])}
+    urls = {TP8_BASE: started[TP8_BASE].url}
+    routers = []
+    if "split" not in skip:
+        split = group.add(procs.start_router([started["spec4"].url], [started["base4"].url], "balanced", None,
+                                             extra=["--speculative-curve", curves["spec4"], "--baseline-curve",
+                                                    curves["base4"]]))
+        routers.append(split)
+        urls[SPLIT] = split.url
+        gpus[SPLIT] = equal.profile_gpus(prof["spec4"]) + equal.profile_gpus(prof["base4"])
+    if "colocated" not in skip:
+        _, pair_spec, pair_base = started["pair"]
+        pair = group.add(procs.start_router([pair_spec], [pair_base], "global", g_threshold,
+                                            extra=["--hysteresis", str(hysteresis)]))
+        routers.append(pair)
+        urls[COLOCATED] = pair.url
+        gpus[COLOCATED] = max(g8, equal.profile_gpus(prof["spec8"]))
+    for r in routers:
+        run_async(wait_serving(r.url))
+    urls |= {TP8_SPEC: started[TP8_SPEC].url, TP8_ADAPTIVE: started[TP8_ADAPTIVE].url}
     return urls, gpus, True

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from bench.sim import memory, stepcost
+from bench.sim import memory, specadaptive, stepcost
 from bench.sim.fit import kv_ms, predict
 from bench.sim.stepcost import Box, Speculative
 
-# SGLang's --speculative-adaptive default table (python/sglang/srt/speculative/adaptive_spec_params.py):
-# batch-size band -> the draft step counts it may choose (0: speculation off, the draft still extends).
-ADAPTIVE_TABLE = ((1, 7, (1, 3, 5, 7)), (8, 31, (0, 1, 3)), (32, 63, (0, 1)), (64, 10**9, (0,)))
+# SGLang's --speculative-adaptive default table (python/sglang/srt/speculative/adaptive_spec_params.py), from the
+# simulator's port of it: batch-size band -> the draft step counts it may choose (0: off, the draft still extends).
+_KEYS = sorted(int(k) for k in specadaptive.DEFAULT_CONFIG)
+ADAPTIVE_TABLE = tuple((lo, (_KEYS[i + 1] - 1) if i + 1 < len(_KEYS) else 10**9,
+                        tuple(specadaptive.DEFAULT_CONFIG[str(lo)]["candidate_steps"])) for i, lo in enumerate(_KEYS))
 DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70, 100, 250)
 NOISE = 0.03  # a setting must beat the baseline by this much to be recommended (the bench's noise band)
 
@@ -239,6 +241,8 @@ def render(adv: Advice) -> str:
         lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
                      "(an upper bound on its controller): " +
                      ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
+        lines.append("    (its controller picks by measured acceptance, not cost: `spec-bench sim --profile "
+                     "PRESET.adaptive-tp8` runs it; `spec-bench demo --preset PRESET` compares it)")
     lines.append("")
     if spec_ok:
         lines.append("RUN (throughput): " + _bands(adv.best_tput))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the project into .venv (once) and runs the demo: the same 8 simulated GPUs deployed four ways (TP8
-# baseline, TP4+TP4 split + router, co-located TP8 pair + router, TP8 EAGLE-3), a short load run of each, which
+# Installs the project into .venv (once) and runs the demo: the same 8 simulated GPUs deployed five ways (TP8
+# baseline, TP4+TP4 split + router, co-located TP8 pair + router, TP8 EAGLE-3, TP8 adaptive speculation), a short load run of each, which
 # wins where. Extra arguments go to `bench demo` (see `.venv/bin/python -m bench demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -195,14 +195,18 @@ def test_demo_small(tmp_path, capsys):
     cap = capsys.readouterr()
     out = cap.out
     assert rc == 0, cap.err
-    # the four deployments of the same 8 GPUs, the verdict right after the list of what runs
-    assert "same 8 GPUs" in out.splitlines()[0]
+    # the five deployments of the same 8 GPUs, the verdict right after the list of what runs; the built-in
+    # profiles are Kimi K2.5 on 8 x 96 GB, which neither router deployment can hold: said, never recommended
+    assert "same 8 GPUs" in out.splitlines()[0] and "five deployments" in out.splitlines()[0]
+    assert out.count("DOES NOT FIT") == 2 and "tp8-adaptive      adaptive-tp8 alone" in out
     # then what to run on them (the recommendation first), then the verdict per level
     first, second = out.split("\n\n", 1)[1].splitlines()[:2]
     assert first.startswith(("RUN tp8-baseline [8 GPUs]: nothing measured here beats it", "Beats ")), first
     assert second.startswith("verdict: ")
     data = json.loads((tmp_path / "demo.json").read_text())
-    assert list(data["results"]) == ["tp8-baseline", "split+balanced", "colocated+global", "tp8-eagle3"]
+    assert list(data["results"]) == ["tp8-baseline", "split+balanced", "colocated+global", "tp8-eagle3",
+                                     "tp8-adaptive"]
+    assert set(data["unfit"]) == {"split", "colocated"} and "tp8-adaptive" in data["references"]
     assert set(data["gpus"].values()) == {8}
     assert "output throughput (tok/s)" in out and "(equal hardware)" in out
     assert f"plot: {tmp_path / 'demo.png'}" in out and (tmp_path / "demo.png").exists()
@@ -213,6 +217,19 @@ def test_demo_small(tmp_path, capsys):
 
     assert plan.main([str(tmp_path / "demo.json")]) == 0
     assert capsys.readouterr().out.split()[0] in ("RUN", "Beats")
+
+
+def test_demo_with_a_preset_runs_only_what_fits(tmp_path, capsys):
+    rc = demo.main(["--preset", "seed", "--concurrency", "1", "--max-tokens", "16", "--speedup", "10",
+                    "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert cap.out.count("NOT RUN: ") == 2 and "split does not fit" in cap.out
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert list(data["results"]) == ["tp8-baseline", "tp8-eagle3", "tp8-adaptive"]
+    assert data["profiles"]["adaptive"] == "seed.adaptive-tp8" and data["configs"] == []
+    assert "no router deployment fits these GPUs" in cap.out
+    assert demo.main(["--preset", "nope"]) == 2 and "unknown preset" in capsys.readouterr().err
 
 
 def test_demo_unknown_drafter_is_one_line(capsys):

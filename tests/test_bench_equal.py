@@ -43,6 +43,12 @@ def test_resolve_gpus_from_profile_flag_or_error():
         equal.resolve_gpus(refs, None)
 
 
+def test_adaptive_speculation_is_a_reference_of_the_same_8_gpus():
+    refs = [equal.parse_reference("tp8-adaptive=profile:adaptive-tp8"),
+            equal.parse_reference("nv=profile:kimi-k25-h200-nvlink.adaptive-good-tp8")]
+    assert [r.gpus for r in equal.resolve_gpus(refs, None)] == [8, 8]
+
+
 def test_judge_by_hand():
     results = {"balanced": [fig(1, 50, 2000), fig(10, 500, 3000)],
                "tp8": [fig(1, 100, 1000), fig(10, 400, 4000)]}

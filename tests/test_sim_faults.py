@@ -182,8 +182,10 @@ async def test_admin_endpoint_validates(sim_factory):
         assert set(stats) == {"running", "queued", "requests_total", "completed_total", "aborted_total",
                               "faults_injected", "max_total_tokens", "busy_s", "gpu_wait_s", "gpu_switches",
                               "colocated_with", "drift", "drift_changes", "prompt_tokens_total",
-                              "cached_tokens_total", "cache_hit_ratio", "radix_cache", "reserved_tokens"}
+                              "cached_tokens_total", "cache_hit_ratio", "radix_cache", "reserved_tokens",
+                              "draft_steps", "adaptive"}
         assert stats["colocated_with"] == [] and stats["gpu_wait_s"] == 0
+        assert stats["adaptive"] is None and stats["draft_steps"] == 0  # a baseline server: no adaptive controller
 
 
 async def test_startup_flags_in_a_subprocess(sim_process_factory):

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from bench.cli import ArgError, parser, run_async
 from bench.cli import profile as profile_ref
+from bench.sim import specadaptive
 from bench.sim.faults import Faults
 from bench.sim.gpu import DEFAULT_SWITCH_MS, Gpu
 from bench.sim.profiles import builtin_names, load_profile_file
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the prefix cache (SGLang's max_total_num_tokens; default: the profile's)")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (every prompt token "
                    "prefilled, 0 cached), as SGLang's flag")
+    p.add_argument("--speculative-adaptive-config", metavar="FILE", help="SGLang's adaptive speculation config "
+                   "(JSON: batch-size keys with candidate_steps, optional knobs) for an adaptive profile "
+                   "(adaptive-tp8, PRESET.adaptive-tp8); default: SGLang's table")
     p.add_argument("--enable-cache-report", action="store_true", help="report usage.prompt_tokens_details."
                    "cached_tokens, as SGLang's flag (off by default there too)")
     c = p.add_argument_group("co-location (two servers time-sharing the same GPUs, in this one process)")
@@ -80,15 +84,21 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     if args.max_total_tokens is not None and args.max_total_tokens < 1:
         raise ValueError(f"--max-total-tokens must be >= 1, got {args.max_total_tokens}")
+    adaptive = args.speculative_adaptive_config
+    if adaptive is not None:
+        specadaptive.check_profile(specadaptive.load_config(adaptive), profile)
     common = dict(model=args.model, speedup=args.speedup, max_running_requests=args.max_running_requests,
                   max_queued_requests=args.max_queued_requests, startup_delay=args.startup_delay, seed=args.seed,
                   disable_radix_cache=args.disable_radix_cache, enable_cache_report=args.enable_cache_report)
     if args.colocated_with is None:
-        return [SimConfig(profile=profile, faults=faults, max_total_tokens=args.max_total_tokens, **common)]
+        return [SimConfig(profile=profile, faults=faults, max_total_tokens=args.max_total_tokens,
+                          speculative_adaptive_config=adaptive, **common)]
     other = profile_ref(args.colocated_with)
     if other.tp_size != profile.tp_size:
         raise ValueError(f"--colocated-with: both servers share the same GPUs, but {profile.name} is TP"
                          f"{profile.tp_size} and {other.name} is TP{other.tp_size}")
+    if adaptive is not None:
+        raise ValueError("--speculative-adaptive-config: not with --colocated-with (run the adaptive server alone)")
     if not 0 < args.kv_share < 1:
         raise ValueError(f"--kv-share must be between 0 and 1 (exclusive), got {args.kv_share:g}")
     if args.switch_ms < 0:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from bench.sim.gpu import Gpu
 from bench.sim.profiles import Profile
 from bench.sim.radix import Node, RadixCache
+from bench.sim.specadaptive import Controller, check_profile
 
 _WORDS = (
     "the of and to in is that for it as with was on be by this are from or at an which not have but "
@@ -246,8 +247,14 @@ class Engine:
 
     def __init__(self, profile: Profile, *, speedup: float = 1.0, max_running_requests: int | None = None,
                  max_queued_requests: int | None = None, max_total_tokens: int | None = None,
-                 gpu: Gpu | None = None, radix_cache: bool = True) -> None:
+                 gpu: Gpu | None = None, radix_cache: bool = True, adaptive_config: dict | None = None) -> None:
         self.profile = profile
+        # --speculative-adaptive: SGLang's per-batch-size controller picks each step's draft steps
+        check_profile(adaptive_config, profile)
+        self.adaptive: Controller | None = None
+        if profile.speculative_adaptive:
+            self.adaptive = Controller(adaptive_config, initial=profile.speculative_num_steps)
+        self.last_draft_steps = profile.speculative_num_steps if profile.speculative else 0
         self.speedup = speedup
         self.max_running = max_running_requests or profile.max_running_requests
         self.max_queued = max_queued_requests
@@ -277,8 +284,9 @@ class Engine:
         self.generation_tokens_total = 0
         self.verify_calls_total = 0
         self.steps_total = 0
-        # (tokens gained, request-steps) of the recent speculative steps: the accept length SGLang reports
-        self._accept_recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=ACCEPT_WINDOW_STEPS)
+        # (tokens gained, request-steps, draft steps) of the recent speculative steps: the accept length and
+        # rate SGLang reports
+        self._accept_recent: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=ACCEPT_WINDOW_STEPS)
         # drift (POST /_sim/drift): an accept length for every request, or every prompt taken as one class
         self.drift_accept_length: float | None = None
         self.drift_prompt_mix: str | None = None
@@ -334,10 +342,19 @@ class Engine:
     def avg_accept_length(self) -> float:
         if not self.profile.speculative:
             return 1.0
-        gained = sum(k for k, _ in self._accept_recent)
+        gained = sum(k for k, _, _ in self._accept_recent)
         if not gained:
             return self.mean_accept_length(coding=self.drift_prompt_mix == "coding")
-        return gained / sum(n for _, n in self._accept_recent)
+        return gained / sum(n for _, n, _ in self._accept_recent)
+
+    def avg_accept_rate(self) -> float:
+        """Accepted drafts / proposed drafts over the recent verify steps (SGLang's spec_accept_rate)."""
+        if not self.profile.speculative:
+            return 0.0
+        proposed = sum(n * k for _, n, k in self._accept_recent)
+        if not proposed:
+            return (self.avg_accept_length() - 1) / self.profile.speculative_num_steps
+        return sum(g - n for g, n, _ in self._accept_recent) / proposed
 
     # -- acceptance and its drift ----------------------------------------------------------------
     def mean_accept_length(self, coding: bool) -> float:
@@ -460,7 +477,8 @@ class Engine:
                 req.prefill_left = req.prompt_tokens - req.cached_tokens
                 self.running.append(req)
             prefill_tokens, pairs, prefilled = self._prefill_chunk()
-            step = self.step_ms(decoding) + self.profile.prefill_ms(prefill_tokens, pairs)
+            draft_steps = self.draft_steps(len(decoding))
+            step = self.step_ms(decoding, draft_steps) + self.profile.prefill_ms(prefill_tokens, pairs)
             if self.gpu is not None:
                 await self.gpu.wait_turn(self, deadline)
             deadline = self._schedule(deadline, step)
@@ -474,13 +492,23 @@ class Engine:
                 behind += 1
                 if behind % CATCH_UP_STEPS == 0:
                     await asyncio.sleep(0)
-            self._emit(prefilled, decoding)
+            self._emit(prefilled, decoding, draft_steps)
 
-    def step_ms(self, decoding: list[SimRequest]) -> float:
+    def draft_steps(self, batch: int) -> int:
+        """Draft steps of the next decode step: the profile's, or the adaptive controller's at this batch size."""
+        if self.adaptive is not None and batch:
+            self.last_draft_steps = self.adaptive.steps_for(batch)
+        return self.last_draft_steps if self.profile.speculative else 0
+
+    def step_ms(self, decoding: list[SimRequest], draft_steps: int | None = None) -> float:
         """A decode step: the profile's curve at this batch size plus the KV the batch's attention reads."""
         if not decoding:
             return 0.0
-        step = self.profile.step_ms(len(decoding))
+        if self.adaptive is not None:
+            steps = self.draft_steps(len(decoding)) if draft_steps is None else draft_steps
+            step = self.profile.adaptive_step_ms(steps, len(decoding))
+        else:
+            step = self.profile.step_ms(len(decoding))
         if self.profile.kv_ms_per_ktoken:
             held = sum(r.prompt_tokens + r.generated for r in decoding)
             step += self.profile.kv_ms_per_ktoken * held / 1000.0
@@ -596,18 +624,19 @@ class Engine:
         self.deadline = end
         return end
 
-    def _emit(self, admitted: list[SimRequest], decoding: list[SimRequest]) -> None:
+    def _emit(self, admitted: list[SimRequest], decoding: list[SimRequest], draft_steps: int | None = None) -> None:
         now = time.monotonic()
         self.steps_total += 1
-        spec = self.profile.speculative
+        steps = self.profile.speculative_num_steps if draft_steps is None else draft_steps
+        spec = self.profile.speculative and steps > 0
         if spec and decoding:
             self.verify_calls_total += 1
         gained_total = 0
         for req in admitted:
             if req.state == "running":  # not aborted while its prefill ran
                 gained_total += self._advance(req, 1, now)
-        steps = self.profile.speculative_num_steps
         spec_gained = spec_n = 0
+        accepted: list[int] | None = [] if self.adaptive is not None else None
         for req in decoding:
             if req.state != "running":
                 continue
@@ -617,9 +646,13 @@ class Engine:
                     k += 1
                 spec_gained += k
                 spec_n += 1
+            if accepted is not None:
+                accepted.append(k - 1)
             gained_total += self._advance(req, k, now)
         if spec_n:
-            self._accept_recent.append((spec_gained, spec_n))
+            self._accept_recent.append((spec_gained, spec_n, steps))
+        if accepted:
+            self.adaptive.observe(len(decoding), accepted)
         self.generation_tokens_total += gained_total
         self._recent.append((now, gained_total))
         horizon = now - 30.0 / self.speedup

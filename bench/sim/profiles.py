@@ -51,6 +51,12 @@ class Profile(BaseModel):
     speculative_num_steps: int = Field(default=2, ge=1)
     speculative_eagle_topk: int = 4
     speculative_num_draft_tokens: int = 16
+    # SGLang --speculative-adaptive (topk 1): the draft steps are chosen per decode step by batch size
+    # (bench.sim.specadaptive); each candidate step count has its own step curve, 0 = no drafting but the
+    # draft's extend pass. The accept lengths above are at speculative_num_steps; a request's per-token
+    # acceptance (a topk-1 chain's) is the same at every step count.
+    speculative_adaptive: bool = False
+    adaptive_step_points_ms: dict[int, list[tuple[int, float]]] | None = None
     # what the server reports about itself
     model_path: str = "moonshotai/Kimi-K2.5"
     tp_size: int = 8
@@ -75,6 +81,19 @@ class Profile(BaseModel):
                 raise ValueError("step_points_ms needs 2+ points with increasing n")
             if any(ms <= 0 for _, ms in pts):
                 raise ValueError("step_points_ms must be positive")
+        if self.speculative_adaptive:
+            if not self.speculative or self.speculative_eagle_topk != 1:
+                raise ValueError("speculative_adaptive needs speculative true and speculative_eagle_topk 1 "
+                                 "(SGLang supports topk 1 only)")
+            curves = self.adaptive_step_points_ms or {}
+            if not curves or any(k < 0 for k in curves):
+                raise ValueError("speculative_adaptive needs adaptive_step_points_ms: {steps: [[n, ms], ...]}")
+            for k, kp in curves.items():
+                if len(kp) < 2 or any(n2 <= n1 for (n1, _), (n2, _) in zip(kp, kp[1:], strict=False)) \
+                        or any(ms <= 0 for _, ms in kp):
+                    raise ValueError(f"adaptive_step_points_ms[{k}] needs 2+ positive points with increasing n")
+        elif self.adaptive_step_points_ms is not None:
+            raise ValueError("adaptive_step_points_ms is only for speculative_adaptive profiles")
         cap = self.max_running_requests
         if pts is None and self.decode_b_ms + 2 * self.decode_q_ms * cap < 0 or self.step_ms(cap) <= 0:
             raise ValueError("decode step must stay positive and non-decreasing up to max_running_requests")
@@ -96,6 +115,13 @@ class Profile(BaseModel):
         if n <= cap or q >= 0:
             return a + b * n + q * n * n
         return a + b * cap + q * cap * cap + (b + 2 * q * cap) * (n - cap)
+
+    def adaptive_step_ms(self, steps: int, n: int) -> float:
+        """An adaptive server's decode step of n requests drafting `steps` steps (0: decode + draft extend)."""
+        curves = self.adaptive_step_points_ms
+        if not curves or steps not in curves:
+            raise ProfileError(f"profile {self.name} has no step curve for {steps} draft steps")
+        return _interpolate(curves[steps], n)
 
     def prefill_ms(self, new_tokens: int, attention_pairs: int = 0) -> float:
         if not new_tokens:

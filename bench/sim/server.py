@@ -14,6 +14,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from bench.sim import protocol as P
+from bench.sim import specadaptive
 from bench.sim.engine import Engine, QueueFull, SimRequest, build_request, chat_key, tokenize
 from bench.sim.faults import Faults
 from bench.sim.gpu import Gpu
@@ -38,6 +39,8 @@ class SimConfig:
     faults: Faults = field(default_factory=Faults)
     disable_radix_cache: bool = False  # SGLang --disable-radix-cache: no prefix cache, 0 cached tokens
     enable_cache_report: bool = False  # SGLang --enable-cache-report: usage.prompt_tokens_details.cached_tokens
+    # SGLang --speculative-adaptive-config (a JSON file; None: its default table); adaptive profiles only
+    speculative_adaptive_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
@@ -77,7 +80,9 @@ class SimServer:
         self.gpu = gpu
         self.engine = Engine(cfg.profile, speedup=cfg.speedup, max_running_requests=cfg.max_running_requests,
                              max_queued_requests=cfg.max_queued_requests, max_total_tokens=cfg.max_total_tokens,
-                             gpu=gpu, radix_cache=not cfg.disable_radix_cache)
+                             gpu=gpu, radix_cache=not cfg.disable_radix_cache,
+                             adaptive_config=specadaptive.load_config(cfg.speculative_adaptive_config)
+                             if cfg.speculative_adaptive_config else None)
         if gpu is not None:
             gpu.members.append(self)
         self.engine.on_finish = self._on_finish
@@ -468,6 +473,8 @@ class SimServer:
             "speculative_num_steps": p.speculative_num_steps if p.speculative else None,
             "speculative_eagle_topk": p.speculative_eagle_topk if p.speculative else None,
             "speculative_num_draft_tokens": p.speculative_num_draft_tokens if p.speculative else None,
+            "speculative_adaptive": p.speculative_adaptive,
+            "speculative_adaptive_config": self.cfg.speculative_adaptive_config,
             "startup_time": self._started_wall, "internal_states": [state], "version": P.SGLANG_VERSION,
             "frontend": "python", "simulator_profile": p.name, "simulator_speedup": self.cfg.speedup,
         }
@@ -500,8 +507,7 @@ class SimServer:
         if sections != {"core"}:
             if p.speculative and (everything or "spec" in sections):
                 length = e.avg_accept_length()
-                load["speculative"] = {"accept_length": length,
-                                       "accept_rate": (length - 1) / p.speculative_num_steps}
+                load["speculative"] = {"accept_length": length, "accept_rate": e.avg_accept_rate()}
             if everything or "queues" in sections:
                 load["queues"] = {"waiting": e.num_queued, "grammar": 0, "paused": 0, "retracted": 0,
                                   "prealloc_ready": 0}
@@ -532,7 +538,7 @@ class SimServer:
         m.utilization.labels(**s).set(min(1.0, e.num_running / self._max_running()))
         length = e.avg_accept_length() if p.speculative else 0.0
         m.spec_accept_length.labels(**s).set(length)
-        m.spec_accept_rate.labels(**s).set((length - 1) / p.speculative_num_steps if p.speculative else 0.0)
+        m.spec_accept_rate.labels(**s).set(e.avg_accept_rate())
         delta = e.verify_calls_total - getattr(self, "_verify_seen", 0)
         if delta:
             m.spec_verify_calls.labels(**s).inc(delta)
@@ -618,4 +624,7 @@ class SimServer:
                 "tokens": c.total_size, "evictable_tokens": c.evictable_size, "protected_tokens": c.protected_size,
                 "evicted_tokens_total": c.evicted_total},
             "reserved_tokens": e.reserved_tokens,
+            # --speculative-adaptive: the draft steps of the last decode step and each batch-size slot's state
+            "draft_steps": e.last_draft_steps,
+            "adaptive": e.adaptive.state() if e.adaptive is not None else None,
         })

@@ -437,6 +437,40 @@ def memory_model(shape: ModelShape):
                               draft_layers=shape.draft.layers if shape.draft else 1, mla=shape.mla)
 
 
+def seed_adaptive_profile(good: bool = False) -> Profile:
+    """The built-in `adaptive-tp8` / `adaptive-good-tp8`: the seed box's step curves from this model (fitted to both
+    seed rows within 5.5%), prefill and KV-read terms and KV capacity from the fitted `eagle3-tp8` (a measured
+    server with a draft model), so it sits beside the fitted seed profiles on long prompts too."""
+    from bench.sim import presets
+    from bench.sim.profiles import load_profile_file
+
+    fitted = load_profile_file(Path(__file__).parent / "profiles" / "eagle3-tp8.json")
+    name = "adaptive-good-tp8" if good else "adaptive-tp8"
+    alpha = GOOD_CHAIN_ALPHA if good else CHAIN_ALPHA
+    drafter = ("the better drafter (eagle3-good-tp8's acceptance: ILLUSTRATIVE)" if good else
+               "the seed drafter as a topk-1 chain (per-token acceptance 0.7: an ASSUMPTION, range 0.55-0.8)")
+    prof = derive_adaptive_profile(presets.BOXES[presets.SEED_BOX_NAME], alpha, name=name,
+                                   coding_ratio=CODING_RATIO["good" if good else "seed"],
+                                   max_total_num_tokens=fitted.max_total_num_tokens,
+                                   description=f"SGLang --speculative-adaptive (topk 1, default table), Kimi K2.5 on 8x "
+                                               f"RTX PRO 6000 Blackwell (TP8), {drafter}; step curves from the "
+                                               "step-cost model, prefill and KV terms from eagle3-tp8")
+    keep = ("prefill_base_ms", "prefill_ms_per_token", "prefill_attention_ms_per_mpair", "kv_ms_per_ktoken",
+            "chunked_prefill_size", "context_len", "eos_token_id", "natural_output_tokens", "model_path")
+    return prof.model_copy(update={k: getattr(fitted, k) for k in keep} | {
+        "fitted_from": f"stepcost:{presets.SEED_BOX_NAME} (steps), eagle3-tp8 (prefill, KV)"})
+
+
+def write_seed_adaptive_profiles() -> list[Path]:
+    out = []
+    for good in (False, True):
+        prof = seed_adaptive_profile(good)
+        path = Path(__file__).parent / "profiles" / f"{prof.name}.json"
+        path.write_text(json.dumps(prof.model_dump(mode="json"), indent=2) + "\n")
+        out.append(path)
+    return out
+
+
 # --- shape files ----------------------------------------------------------------------------------------------
 
 def load_shape_file(path: str | Path) -> ModelShape:
@@ -563,16 +597,86 @@ CHAIN_ALPHA_RANGE = (0.55, 0.8)
 SEED_TREE_ACCEPT = 2.5  # measured: the seed's topk-4, 2-step, 16-token tree on its prompts
 
 
+# The better drafter (`eagle3-good-tp8`: topk 1, 3 steps, accept length 3.0 general / 3.3 coding) as a chain's
+# per-token acceptance: 1 + a + a^2 + a^3 = 3.0 at a = 0.8105 (3.3: 0.8664). Illustrative, as that profile is.
+GOOD_CHAIN_ALPHA = 0.8105
+# coding prompts accept more: the seed tree's 2.61 / 2.5 (eagle3-tp8), eagle3-good's 3.3 / 3.0
+CODING_RATIO = {"seed": 2.61 / 2.5, "good": 3.3 / 3.0}
+# SGLang --speculative-adaptive: the step counts an adaptive profile carries curves for (its default table uses
+# 0, 1, 3, 5, 7; a --speculative-adaptive-config may allow any of 0..8), and the step count it starts at and
+# states its accept length for (SGLang's default speculative_num_steps: the middle of the table's 0, 1, 3, 5, 7)
+ADAPTIVE_CURVE_STEPS = tuple(range(0, 9))
+ADAPTIVE_NOMINAL_STEPS = 3
+ADAPTIVE_OFF = Speculative("adaptive-off", 0, 1, 1, 1.0, True)
+
+
 def setting(text: str, alpha: float = CHAIN_ALPHA, tree_accept: float = SEED_TREE_ACCEPT) -> Speculative:
-    """baseline | tree (the seed's: topk 4, 2 steps, 16 draft tokens) | chainK (topk 1, K steps, K+1 tokens)."""
+    """baseline | tree (the seed's: topk 4, 2 steps, 16 draft tokens) | chainK (topk 1, K steps, K+1 tokens) |
+    chainK-good (the same at the better drafter's acceptance, GOOD_CHAIN_ALPHA)."""
     if text == "baseline":
         return BASELINE
     if text == "tree":
         return tree(accept_length=tree_accept)
+    text, alpha = _alpha_suffix(text, alpha)
+    if text.endswith("-good"):
+        text, alpha = text.removesuffix("-good"), GOOD_CHAIN_ALPHA
+        if not text.startswith("chain"):
+            raise ShapeError(f"unknown speculative setting {text + '-good'!r}: only chainK-good and adaptive-good")
     if text.startswith("chain") and text[5:].isdigit() and 1 <= int(text[5:]) <= 16:
         k = int(text[5:])
-        return chain(k, chain_accept_length(k, alpha))
-    raise ShapeError(f"unknown speculative setting {text!r}: baseline, tree or chainK (K = 1..16)")
+        spec = chain(k, chain_accept_length(k, alpha))
+        if alpha == CHAIN_ALPHA:
+            return spec
+        return replace(spec, name=f"{spec.name}-good" if alpha == GOOD_CHAIN_ALPHA else f"{spec.name}-a{alpha * 100:02.0f}")
+    raise ShapeError(f"unknown speculative setting {text!r}: baseline, tree, chainK, chainK-good (K = 1..16), "
+                     "adaptive or adaptive-good")
+
+
+def _alpha_suffix(text: str, alpha: float) -> tuple[str, float]:
+    """`chain3-a55`, `adaptive-a80`: a chain's per-token acceptance given in hundredths (sensitivity runs)."""
+    head, sep, tail = text.rpartition("-a")
+    if sep and tail.isdigit() and len(tail) == 2 and 1 <= int(tail) <= 99:
+        return head, int(tail) / 100
+    return text, alpha
+
+
+def chain_alpha(length: float, steps: int) -> float:
+    """The per-token acceptance a with 1 + a + ... + a^steps == length (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chain_accept_length(steps, mid) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def derive_adaptive_profile(box: Box, alpha: float = CHAIN_ALPHA, tp: int | None = None, *,
+                            coding_ratio: float = CODING_RATIO["seed"], name: str | None = None,
+                            max_total_num_tokens: int | None = None, description: str = "",
+                            extend_fixed: bool = True) -> Profile:
+    """SGLang --speculative-adaptive on one server (topk 1): a step curve per draft step count (0: the target
+    decodes and the draft runs its extend pass), accept lengths stated at ADAPTIVE_NOMINAL_STEPS from a chain's
+    per-token acceptance `alpha` (coding prompts: `coding_ratio` x that length). `extend_fixed` False: the 0-step
+    extend pass without the per-forward fixed_ms (kernels only: the low end of its cost, docs/SIMULATOR.md)."""
+    lay = box.layout(tp)
+    k0 = ADAPTIVE_NOMINAL_STEPS
+    base = derive_profile(box, chain(k0, chain_accept_length(k0, alpha)), tp,
+                          max_total_num_tokens=max_total_num_tokens, name=name)
+    cap = base.max_running_requests
+    grid = sorted({n for n in STEP_GRID if n <= cap} | {cap})
+    curves = {}
+    for k in ADAPTIVE_CURVE_STEPS:
+        spec = ADAPTIVE_OFF if k == 0 else chain(k, 1.0)
+        cut = box.cal.fixed_ms if k == 0 and not extend_fixed else 0.0
+        curves[k] = [(n, round(step_ms(box.shape, lay, box.cal, spec, n) - cut, 4)) for n in grid]
+    general = round(chain_accept_length(k0, alpha), 4)
+    coding = round(min(general * coding_ratio, k0 + 1.0), 4)
+    return base.model_copy(update={
+        "speculative_adaptive": True, "adaptive_step_points_ms": curves,
+        "accept_length_general": general, "accept_length_coding": coding,
+        "description": description or (f"derived by bench.sim.stepcost: {box.shape.name} on {lay.tp}x {box.gpu.name} "
+                                        f"({box.link.name}), SGLang --speculative-adaptive (topk 1), chain "
+                                        f"acceptance {alpha:g} per token ({general:g} at {k0} steps)"),
+    })
 
 
 def profile_by_name(name: str) -> Profile:
@@ -584,10 +688,22 @@ def profile_by_name(name: str) -> Profile:
     what, _, tp_text = rest.rpartition("-tp")
     try:
         box = presets.box(head)
-        spec = setting(what)
+        kernels_only = what.endswith("-xk")  # the 0-step extend pass at its low-end cost (sensitivity)
+        what_alpha, alpha = _alpha_suffix(what.removesuffix("-xk"), CHAIN_ALPHA)
+        adaptive = what_alpha in ("adaptive", "adaptive-good")
+        spec = chain(ADAPTIVE_NOMINAL_STEPS, 1.0) if adaptive else setting(what)
         tp = int(tp_text) if tp_text.isdigit() else 0
         if tp < 1 or tp > box.gpus:
             raise ShapeError(f"{name}: the TP size after '-tp' must be 1..{box.gpus}")
+        if adaptive:
+            fit = memory.fit_deployment(memory.TP_ADAPTIVE, memory_model(box.shape),
+                                        memory.Hardware(tp, box.gpu.memory_gib))
+            if not fit.fits:
+                raise ShapeError(f"{name}: {fit.reason}")
+            good = what_alpha == "adaptive-good"
+            return derive_adaptive_profile(box, GOOD_CHAIN_ALPHA if good else alpha, tp, name=name,
+                                           coding_ratio=CODING_RATIO["good" if good else "seed"],
+                                           extend_fixed=not kernels_only)
         kind = memory.TP_EAGLE3 if spec.draft else memory.TP_BASELINE
         fit = memory.fit_deployment(kind, memory_model(box.shape), memory.Hardware(tp, box.gpu.memory_gib))
         if not fit.fits:
@@ -605,6 +721,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.sim import presets
 
     argv = sys.argv[1:] if argv is None else argv
+    if "--write-adaptive" in argv:  # regenerate bench/sim/profiles/adaptive{,-good}-tp8.json
+        for path in write_seed_adaptive_profiles():
+            print(f"wrote {path}")
+        return 0
     box = presets.BOXES[presets.SEED_BOX_NAME]
     if "--refit" in argv:
         box = fit_seed(box)
