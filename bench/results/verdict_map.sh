@@ -7,7 +7,8 @@
 # usage: bash bench/results/verdict_map.sh [OUT_DIR]   (default bench/results/verdict)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:-bench/results/verdict}
+OUT=bench/results/verdict
+if [ $# -gt 0 ]; then OUT=$1; fi
 PY=.venv/bin/python
 mkdir -p "$OUT"
 run() {  # name demo-flags...

@@ -4,7 +4,7 @@ with its KV budget from bench.sim.memory, replayed with `bench replay` (every se
     .venv/bin/python bench/results/verdict_trace.py CASE [--preset P] [--drafter eagle3|eagle3-good] \
         [--levels 1,0.25] [--speedup 30] [--sample 20] [--window-end 900] [--out DIR]
 
-Profiles as `bench demo` picks them (demo.profiles): built-in fitted ones (Kimi K2.5 on 8 x RTX PRO 6000) or a
+Profiles as `bench demo` picks them (bench.deployments.profiles): built-in fitted ones (Kimi K2.5 on 8 x RTX PRO 6000) or a
 preset's step-cost profiles. The split's router is `balanced` on the profiles' model curves for 23-token prompts
 and 256 output tokens (the demo's), the co-located pair's `global` at the threshold those curves give: both are
 curves for another workload, stated in the report; the TP8 servers need no curve.
@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench import demo, procs  # noqa: E402
+from bench import deployments as demo  # noqa: E402
+from bench import procs  # noqa: E402
 from bench.calibration import Curve, default_hysteresis, global_threshold, model_curve  # noqa: E402
 from bench.cli import run_async, wait_serving  # noqa: E402
 from bench.sim import memory, presets, stepcost  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The verdict map on Kimi's trace (issue 26, item 4): bench/results/verdict_trace.py per box x drafter, the trace's
 # first 900 s, one conversation in 20 (138 requests), slowdown 1 and 0.25 (0.15 and 0.62 req/s), clocks 30x.
-# usage: bash bench/results/verdict_trace.sh [CASE...]   (outputs in bench/results/verdict/trace-CASE.*)
+# usage: bash bench/results/verdict_trace.sh [CASE...]   (outputs in bench/results/verdict/trace-$case.*)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
