@@ -178,8 +178,8 @@ def start_router(group: procs.ProcGroup, which: str, b: Backends, ns, log: Path)
         extra = list(OURS_FLAGS) + list(ns.router_flag)
         if which == OURS_NO_PREFIX:
             extra += ["--prefix-routing", "false"]
-        if which == OURS_NO_CROSS:
-            extra += ["--prefix-cross-pool", "false"]
+        # "ours" is the router with every prefix rule on, cross-pool affinity included (off by default)
+        extra += ["--prefix-cross-pool", "false" if which == OURS_NO_CROSS else "true"]
         p = group.add(procs.start_router(b.speculative, b.baseline, ns.policy, extra=extra))
         return p, f"spec-router {ns.policy}" + {OURS: "", OURS_NO_PREFIX: ", prefix_routing off",
                                                  OURS_NO_CROSS: ", prefix_cross_pool off"}[which]

@@ -127,8 +127,9 @@ class Settings(BaseSettings):
         "conversation in the pool holding its prefix unless moving gains more than the re-prefill costs; "
         "false: least loaded, prefixes ignored")
     prefix_cross_pool: bool = Field(
-        True, description="prefix routing: also weigh the re-prefill when the policy switches pools (false: "
-        "only the instance inside the policy's pool is chosen by prefix)")
+        False, description="prefix routing: also weigh the re-prefill when the policy switches pools (false, "
+        "the default until a run shows it pays: only the instance inside the policy's pool is chosen by "
+        "prefix; docs/BENCH.md measured no gain and a worse E2E p90)")
     prefix_block_bytes: int = Field(
         1024, ge=64, le=65536, description="prefix index block: bytes of the prompt's JSON per hashed block "
         "(1024: ~256 tokens)")
