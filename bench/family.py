@@ -455,16 +455,18 @@ class FamilyServer:
                 return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
-        if chat:
-            await resp.write(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}))
+        # SGLang sends the role chunk with the first output, after the prefill (so does bench/sim): a router's
+        # time to first byte is then the time to first token.
+        role = event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}) if chat else b""
         while True:
             await req.event.wait()
             req.event.clear()
             k = req.gen - req.sent
             if k > 0:
                 req.sent = req.gen
-                await resp.write(event(piece("tok " * k)))
+                await resp.write(role + event(piece("tok " * k)))
+                role = b""
             if req.done:
                 break
         tail = event(piece("", "length"))
