@@ -166,6 +166,19 @@ def predict(p: Physics, n: int, tokens: int, prompt_tokens: int = 20) -> float:
     return m * tokens / cycle * 1000.0
 
 
+def request_rng(key: int, seed: int) -> random.Random:
+    """The random stream of one request's own acceptance draw (key: the body's crc32; seed: the server's)."""
+    return random.Random(key * 1_000_003 + seed)
+
+
+def steps_per_token(p: Physics, body: bytes, seed: int) -> float:
+    """Decode steps per token the server with physics p and seed gives the request with this body: for a
+    per-request draw, 1 / its acceptance (what the judge reports as a configuration's luck); else the mean."""
+    if not p.speculative or p.accept_per == "step":
+        return p.mean_inverse_accept()
+    return 1.0 / Engine(p, seed=seed)._draw_request(request_rng(zlib.crc32(body), seed))
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 class Req:
@@ -221,7 +234,7 @@ class Engine:
         same draw whichever configuration sent it (common random numbers: two routers compared on the same
         prompts differ by their routing, not by which requests drew a hard prompt). None: the engine's stream."""
         if self.p.speculative and self.p.accept_per == "request":
-            rng = self.rng if key is None else random.Random(key * 1_000_003 + self.seed)
+            rng = self.rng if key is None else request_rng(key, self.seed)
             r.accept = self._draw_request(rng)
         self.waiting.append(r)
         self.wake.set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -22,8 +23,8 @@ import aiohttp
 
 from bench import figures, procs
 from bench.cli import ArgError, NotServing, fail, int_list, parser, run_async, wait_serving
-from bench.family import MEMBERS, describe
-from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
+from bench.family import MEMBERS, describe, steps_per_token
+from bench.load import BenchInputError, LoadSpec, build_body, load_prompts, run_closed
 
 FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balanced")
 BAR = 0.95
@@ -48,9 +49,29 @@ class Judge:
         n = self.requests_for(c) if requests is None and duration is None else requests
         spec = LoadSpec(url=url, prompts=self.prompts, max_tokens=self.ns.max_tokens, requests=n, duration=duration,
                         timeout=60.0, level_timeout=300.0, seed=self.load_seed)
-        fig = figures.compute(await run_closed(spec, c), self.ns.speedup)
-        return {k: fig.get(k) for k in ("concurrency", "output_throughput", "completed", "failed", "duration_s",
-                                         "speculative_share", "steady_output_throughput", "median_e2e_latency_ms")}
+        run = await run_closed(spec, c)
+        fig = figures.compute(run, self.ns.speedup)
+        out = {k: fig.get(k) for k in ("concurrency", "output_throughput", "completed", "failed", "duration_s",
+                                        "speculative_share", "steady_output_throughput", "median_e2e_latency_ms")}
+        out["luck"] = self.luck(spec, run.records)
+        return out
+
+    def luck(self, spec: LoadSpec, records: list) -> float | None:
+        """The mean steps per token of the requests this configuration sent to the speculative server, over
+        that of all the level's requests (members drawing acceptance per request; None otherwise): below 1, the
+        speculative server got the easier prompts. Request i (in start order) carries prompt offset + i."""
+        p = MEMBERS[self.member_name].speculative
+        if not p.speculative or p.accept_per != "request":
+            return None
+        bodies = [build_body(q, spec.model, spec.max_tokens, spec.extra_body) for q in spec.prompts]
+        offset = random.Random(spec.seed).randrange(len(bodies))
+        draws = [steps_per_token(p, bodies[(offset + i) % len(bodies)], self.ns.seed)
+                 for i in range(len(records))]
+        ordered = sorted(records, key=lambda r: r.start)
+        spec_draws = [d for d, r in zip(draws, ordered, strict=True) if r.pool == "speculative"]
+        if not spec_draws or not draws:
+            return None
+        return round((sum(spec_draws) / len(spec_draws)) / (sum(draws) / len(draws)), 3)
 
     def router(self, group: procs.ProcGroup, policy: str, spec: bool, base: bool, threshold: int | None = None,
                extra: list[str] | None = None) -> str:
@@ -137,6 +158,8 @@ class Judge:
                          "ratio_vs_every_threshold": ad / every if every else 0.0,
                          "adaptive_share": cfgs["adaptive"][i]["speculative_share"],
                          "best_share": cfgs[best_spill if best == "spillover" else best][i]["speculative_share"],
+                         "adaptive_luck": cfgs["adaptive"][i].get("luck"),
+                         "best_luck": cfgs[best_spill if best == "spillover" else best][i].get("luck"),
                          "failed": sum(cfgs[name][i]["failed"] for name in cfgs)})
         out["rows"] = rows
 
@@ -166,6 +189,7 @@ class Judge:
 
     def member(self, name: str) -> dict:
         ns = self.ns
+        self.member_name = name
         t0, load0 = time.time(), os.getloadavg()
         with procs.ProcGroup() as group:
             pair = group.add(procs.start(f"family {name}", ["bench", "family", "--member", name, "--speedup",
@@ -210,8 +234,8 @@ def render(results: list[dict], cmd: str) -> str:
                 "",
                 "| concurrency | best fixed (per repeat) | adaptive / best fixed, repeats | min | control: balanced "
                 "again / balanced | speculative share: adaptive / best | cold start: runs until within 5% (ratios per "
-                "run), requests and seconds before |",
-                "|---|---|---|---|---|---|---|"]
+                "run), requests and seconds before | luck: adaptive / best |",
+                "|---|---|---|---|---|---|---|---|"]
         for i, c in enumerate(reps[0]["levels"]):
             rows = [r["rows"][i] for r in reps]
             colds = [r["cold"][i] for r in reps]
@@ -222,10 +246,13 @@ def render(results: list[dict], cmd: str) -> str:
                  else f"{x['runs']} -> not within {len(x['runs'])} runs") for x in colds)
             controls = " / ".join(f"{row.get('control', float('nan')):.3f}" for row in rows)
             shares = ", ".join(f"{row['adaptive_share']:.0%}/{row['best_share']:.0%}" for row in rows)
+            lucks = ", ".join(f"{row['adaptive_luck']:.2f}/{row['best_luck']:.2f}"
+                              if row.get("adaptive_luck") is not None and row.get("best_luck") is not None else "-"
+                              for row in rows)
             out.append(f"| {c} | {', '.join(row['best_fixed'] for row in rows)} | "
                        f"{' / '.join(f'{x:.3f}' for x in ratios)} | {'**' if mark < BAR else ''}{mark:.3f}"
                        f"{'**' if mark < BAR else ''} | {controls} | "
-                       f"{shares} | {cold} |")
+                       f"{shares} | {cold} | {lucks} |")
         out.append("")
     return f"```\n{cmd}\n```\n\n" + "\n".join(out)
 
