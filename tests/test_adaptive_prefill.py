@@ -1,0 +1,92 @@
+"""adaptive's prefill model (router.speedmodel.PrefillModel) and the stall a request's prefill costs the others
+on its server, in the latency rule (router.adaptive.Adaptive.costed)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.adaptive import Adaptive
+from router.observe import Observation
+from router.policy import BackendLoad, View, decide
+from router.speedmodel import PrefillModel
+
+S1, B1 = "http://s1:1", "http://b1:1"
+SPEC = (0.02, 0.001746)  # seconds per token per request at n running: alpha + beta * n
+BASE = (0.0097, 0.00115)
+TOKENS = 200
+
+
+def view(s, b):
+    return View.of([BackendLoad(S1, "speculative", s, True), BackendLoad(B1, "baseline", b, True)])
+
+
+def alone(pool, url, ab, ttft, prompt=3000, cached=None, expected=None):
+    """A request that found its server idle, its duration what the model already says there."""
+    duration = (ab[0] + ab[1]) * TOKENS
+    return Observation(pool, url, 1, 1, duration, ttft, TOKENS, TOKENS // 16, True, prompt_tokens=prompt,
+                       cached_tokens=cached, expected_cached_tokens=expected)
+
+
+def test_prefill_per_token_is_fitted_when_prompt_lengths_vary():
+    m = PrefillModel()
+    rng = random.Random(2)
+    for _ in range(60):
+        u = rng.randint(200, 4000)
+        m.update(u, 0.012 + 2.5e-5 * u)
+        m.note(u)
+    assert m.per_token() == pytest.approx(2.5e-5, rel=1e-6)
+    assert m.seconds(1000) == pytest.approx(0.012 + 0.025, rel=1e-6)
+    assert m.seconds(0) == pytest.approx(0.012, rel=1e-6)
+
+
+def test_prefill_of_one_prompt_length_is_its_mean_and_no_slope():
+    m = PrefillModel()
+    assert m.seconds() == 0.0  # nothing measured: no stall assumed
+    for t in (0.08, 0.09, 0.10):
+        m.update(3000, t)
+    assert m.per_token() is None  # fixed and per-token parts cannot be told apart
+    assert m.seconds() == pytest.approx(0.09, rel=0.01)
+    m.update(float("nan"), 0.1)
+    m.update(3000, -1.0)
+    assert m.samples == 3
+
+
+def test_a_busy_server_whose_admissions_stall_the_batch_loses_a_close_choice():
+    """7 running on the speculative server, 21 on the baseline: by the request's own speed the speculative server
+    (29.4 tok/s with one more) beats the baseline (28.6). Each of its admissions also holds its 7 others for a
+    1 s prefill, 7 s of their time against the request's own 6.8 s; the baseline's 0.05 s costs 21 x 0.05 s."""
+    pol = Adaptive(priors={"speculative": SPEC, "baseline": BASE}, explore=0.0)
+    rng = random.Random(1)
+    assert decide(pol, view(7, 21), None, rng).pool == "speculative"  # nothing known of prefill: as before
+    pol.observe(alone("speculative", S1, SPEC, 1.0))
+    pol.observe(alone("baseline", B1, BASE, 0.05))
+    s_speed = 1 / (SPEC[0] + SPEC[1] * 8)
+    want = TOKENS / (TOKENS / s_speed + 7 * 1.0)
+    assert pol.score(view(7, 21).speculative[0])[0] == pytest.approx(want, rel=0.02)
+    assert decide(pol, view(7, 21), None, rng).pool == "baseline"
+    # Alone there is nobody to stall: the request's own speed decides.
+    assert pol.score(view(0, 0).speculative[0])[0] == pytest.approx(1 / (SPEC[0] + SPEC[1]), rel=0.02)
+    st = pol.state(view(7, 21))["pools"]
+    assert st["speculative"]["prefill_s"] == pytest.approx(1.0) and st["speculative"]["prefill_samples"] == 1
+
+
+def test_a_pool_with_no_prefill_measured_borrows_the_others_so_neither_side_is_favoured():
+    pol = Adaptive(priors={"speculative": SPEC, "baseline": BASE}, explore=0.0)
+    pol.observe(alone("baseline", B1, BASE, 0.5))
+    assert pol.stall(view(3, 3).speculative[0]) == pytest.approx(0.5)
+    busy = Observation("speculative", S1, 4, 4, 1.0, 0.9, TOKENS, 12, True, prompt_tokens=3000)
+    pol.observe(busy)  # not alone: its first token waited for others' steps, not a measure of the forward
+    assert pol.prefill["speculative"].samples == 0
+
+
+def test_uncached_tokens_come_from_the_usage_else_from_the_prefix_index():
+    pol = Adaptive(explore=0.0)
+    pol.observe(alone("baseline", B1, BASE, 0.1, prompt=3000, cached=2000, expected=0))
+    assert pol.prefill["baseline"].uncached == pytest.approx(1000)
+    pol = Adaptive(explore=0.0)
+    pol.observe(alone("baseline", B1, BASE, 0.1, prompt=3000, cached=None, expected=2500))
+    assert pol.prefill["baseline"].uncached == pytest.approx(500)
+    pol = Adaptive(explore=0.0)
+    pol.observe(alone("baseline", B1, BASE, 0.1, prompt=3000))
+    assert pol.prefill["baseline"].uncached == pytest.approx(3000)
