@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 from bench import calibration, equal, figures, procs
 from bench.calibration import default_hysteresis, global_threshold
 from bench.cli import ArgError, NotServing, int_list, parser, positive, run_async, wait_serving
 from bench.levels import SweepConfig, add_load_args, run_sweep, write_outputs
 from bench.load import BenchInputError, LoadSpec, load_prompts, run_closed
 from bench.sim.profiles import ProfileError
+from bench.streams import learned_state
 
 NOISE = equal.NOISE
 # Result order of the reports. all-baseline and all-speculative always run (they are the calibration data);
@@ -569,16 +568,6 @@ def report(data: dict) -> tuple[str, str, dict]:
     if refs:
         md = _with_equal(md, eq_lines, equal.render_markdown(results, eq_rows, routed, refs, gpus))
     return "\n".join(text), md, extra
-
-
-async def learned_state(url: str) -> dict | None:
-    """What a learned configuration ended the run believing (GET /router/state), for the record."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
-                s.get(url + "/router/state") as resp:
-            return (await resp.json()).get("model") if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
 
 
 def requests_line(results: dict[str, list[dict]]) -> str:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
+from router.tasks import cancel
+
 JSON = "application/json"
 SHAPES = ("linear", "convex", "saturating")
 ACCEPT_PER = ("step", "request")
@@ -222,12 +224,7 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel(self._task)
 
     def submit(self, r: Req, key: int | None = None) -> None:
         """Queue a request. `key` (the body's checksum) seeds a per-request acceptance: the same request gets the

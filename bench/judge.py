@@ -19,12 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 from bench import figures, procs
 from bench.cli import ArgError, NotServing, fail, int_list, parser, run_async, wait_serving
 from bench.family import MEMBERS, describe, steps_per_token
 from bench.load import BenchInputError, LoadSpec, build_body, load_prompts, run_closed
+from bench.streams import learned_state
 
 FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balanced")
 BAR = 0.95
@@ -208,15 +207,6 @@ class Judge:
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}
-
-
-async def learned_state(url: str) -> dict | None:
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
-                s.get(url + "/router/state") as resp:
-            return (await resp.json()).get("model") if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
 
 
 def render(results: list[dict], cmd: str) -> str:

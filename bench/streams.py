@@ -295,3 +295,13 @@ async def wait_quiet(session: aiohttp.ClientSession, router: str, sims: list[str
         if not busy or time.monotonic() > deadline:
             return view
         await asyncio.sleep(0.2)
+
+
+async def learned_state(url: str) -> dict | None:
+    """What a learned configuration ended the run believing (GET /router/state), for the record."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(url + "/router/state") as resp:
+            return (await resp.json()).get("model") if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
