@@ -232,22 +232,14 @@ class Adaptive:
                 pm.update(uncached, obs.ttft_s)
 
     def stall(self, b: BackendView) -> float:
-        """Seconds one more request's prefill holds up each request running on b (its prefill forward, from
-        requests that found a server idle): its own instance's, its pool's, else the other pool's (a guess
-        that favours neither side), else 0 (nothing known: the request's own speed alone decides)."""
+        """Seconds one more request's prefill would hold up each request running on b (its prefill forward,
+        from requests that found a server idle): its own instance's, else its pool's; 0 while unmeasured. For
+        /router/state only: counted in the latency rule it cost more than it gained (docs/BENCH.md)."""
         own = self.prefill.get(b.url)
         if own is not None and own.samples >= MIN_INSTANCE_PREFILL:
             return own.seconds()
-        for key in (b.pool, other(b.pool)):
-            pm = self.prefill.get(key)
-            if pm is not None and pm.samples:
-                return pm.seconds()
-        return 0.0
-
-    def others(self, b: BackendView, p: Params) -> int:
-        """How many requests one more would run beside on b (a queued one is admitted beside a full batch)."""
-        n = b.load_estimate
-        return n if p.max_running is None else min(n, p.max_running - 1)
+        pm = self.prefill.get(b.pool)
+        return pm.seconds() if pm is not None else 0.0
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
@@ -292,19 +284,9 @@ class Adaptive:
         p, n = self.params(b), b.load_estimate
         speed, gain = p.request_speed(n), p.marginal_gain(n)
         if self.objective == "latency":
-            return self.costed(b, p, speed), gain
+            return speed, gain
         # Once every candidate queues, marginal gains are all 0: the per-request speed splits the queue.
         return gain, speed
-
-    def costed(self, b: BackendView, p: Params, speed: float) -> float:
-        """A request's speed counted over its own time and the time its prefill costs the others running on b:
-        tokens / (tokens / speed + others * stall). Its own speed alone is the selfish choice; on a server
-        whose admissions stall a busy batch it piles requests where each one is a little faster and slows all
-        the others (the speed model's durations hold the stalls a request suffered, never those it caused)."""
-        if self.tokens <= 0 or speed <= 0:
-            return speed
-        extra = self.others(b, p) * self.stall(b)
-        return speed if extra <= 0 else self.tokens / (self.tokens / speed + extra)
 
     def _samples(self, pool: str) -> int:
         m = self.models.get(pool)
@@ -409,6 +391,7 @@ class Adaptive:
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
+            "stall_s": round(self.stall(b), 5),
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
                 "explore": self.explore, "deadband": self.deadband, "decisions": self.decisions,

@@ -227,7 +227,7 @@ class SpeedModel:
         within = sorted(abs(r - centres[k]) for k, rs in per.items() if len(rs) >= MIN_BAND_LEVEL for r, _ in rs)
         noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
         lim = HUBER * noise
-        shrink = BAND_SHRINK * max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2)
+        shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2))
         got = {}
         for k, rs in per.items():
             centre = centres[k]

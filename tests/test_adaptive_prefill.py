@@ -1,5 +1,5 @@
-"""adaptive's prefill model (router.speedmodel.PrefillModel) and the stall a request's prefill costs the others
-on its server, in the latency rule (router.adaptive.Adaptive.costed)."""
+"""adaptive's prefill model (router.speedmodel.PrefillModel): what a request's prefill forward costs its server's
+batch, per uncached prompt token where prompt lengths vary, learned through observe() and shown by state()."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,7 @@ import pytest
 
 from router.adaptive import Adaptive
 from router.observe import Observation
-from router.policy import BackendLoad, View, decide
+from router.policy import BackendLoad, View
 from router.speedmodel import PrefillModel
 
 S1, B1 = "http://s1:1", "http://b1:1"
@@ -52,32 +52,20 @@ def test_prefill_of_one_prompt_length_is_its_mean_and_no_slope():
     assert m.samples == 3
 
 
-def test_a_busy_server_whose_admissions_stall_the_batch_loses_a_close_choice():
-    """7 running on the speculative server, 21 on the baseline: by the request's own speed the speculative server
-    (29.4 tok/s with one more) beats the baseline (28.6). Each of its admissions also holds its 7 others for a
-    1 s prefill, 7 s of their time against the request's own 6.8 s; the baseline's 0.05 s costs 21 x 0.05 s."""
+def test_the_prefill_a_server_costs_its_batch_is_learned_from_requests_that_found_it_idle():
     pol = Adaptive(priors={"speculative": SPEC, "baseline": BASE}, explore=0.0)
-    rng = random.Random(1)
-    assert decide(pol, view(7, 21), None, rng).pool == "speculative"  # nothing known of prefill: as before
+    v = view(7, 21)
+    assert pol.stall(v.speculative[0]) == 0.0  # nothing measured
     pol.observe(alone("speculative", S1, SPEC, 1.0))
     pol.observe(alone("baseline", B1, BASE, 0.05))
-    s_speed = 1 / (SPEC[0] + SPEC[1] * 8)
-    want = TOKENS / (TOKENS / s_speed + 7 * 1.0)
-    assert pol.score(view(7, 21).speculative[0])[0] == pytest.approx(want, rel=0.02)
-    assert decide(pol, view(7, 21), None, rng).pool == "baseline"
-    # Alone there is nobody to stall: the request's own speed decides.
-    assert pol.score(view(0, 0).speculative[0])[0] == pytest.approx(1 / (SPEC[0] + SPEC[1]), rel=0.02)
-    st = pol.state(view(7, 21))["pools"]
-    assert st["speculative"]["prefill_s"] == pytest.approx(1.0) and st["speculative"]["prefill_samples"] == 1
-
-
-def test_a_pool_with_no_prefill_measured_borrows_the_others_so_neither_side_is_favoured():
-    pol = Adaptive(priors={"speculative": SPEC, "baseline": BASE}, explore=0.0)
-    pol.observe(alone("baseline", B1, BASE, 0.5))
-    assert pol.stall(view(3, 3).speculative[0]) == pytest.approx(0.5)
     busy = Observation("speculative", S1, 4, 4, 1.0, 0.9, TOKENS, 12, True, prompt_tokens=3000)
     pol.observe(busy)  # not alone: its first token waited for others' steps, not a measure of the forward
-    assert pol.prefill["speculative"].samples == 0
+    assert pol.prefill["speculative"].samples == 1
+    assert pol.stall(v.speculative[0]) == pytest.approx(1.0) and pol.stall(v.baseline[0]) == pytest.approx(0.05)
+    st = pol.state(v)
+    assert st["pools"]["speculative"]["prefill_s"] == pytest.approx(1.0)
+    assert st["pools"]["speculative"]["prefill_samples"] == 1 and st["tokens_per_request"] == TOKENS
+    assert [b["stall_s"] for b in st["backends"]] == [pytest.approx(1.0), pytest.approx(0.05)]
 
 
 def test_uncached_tokens_come_from_the_usage_else_from_the_prefix_index():
