@@ -78,3 +78,17 @@ def test_uncached_tokens_come_from_the_usage_else_from_the_prefix_index():
     pol = Adaptive(explore=0.0)
     pol.observe(alone("baseline", B1, BASE, 0.1, prompt=3000))
     assert pol.prefill["baseline"].uncached == pytest.approx(3000)
+
+
+def test_pools_pass_the_index_expectation_to_the_policy_only_when_the_backend_reported_no_cached_tokens():
+    from router.affinity import Placement
+    from router.pools import Pools
+    from router.prefix import prompt_of
+
+    pol = Adaptive(explore=0.0)
+    pools = Pools([S1], [B1], policy=pol)
+    placement = Placement("prefix_affinity", prompt_of([{"role": "user", "content": "x"}], None), expected_cached=2500)
+    pools.report_done(pools.by_url[B1], alone("baseline", B1, BASE, 0.1, prompt=3000), placement)
+    assert pol.prefill["baseline"].uncached == pytest.approx(500)
+    pools.report_done(pools.by_url[S1], alone("speculative", S1, SPEC, 0.1, prompt=3000, cached=0), placement)
+    assert pol.prefill["speculative"].uncached == pytest.approx(3000)  # the backend's own figure wins
