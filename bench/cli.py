@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import math
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,15 @@ async def wait_serving(url: str, *, model: str = "default", within: float = 30.0
             await asyncio.sleep(0.1 if every_backend else 0.2)
     what = "have every backend up" if every_backend else "serve a request"
     raise NotServing(f"{url} did not {what} within {within:g}s (last: {last}){_tail(log)}")
+
+
+async def until_signal() -> None:
+    """Wait for SIGTERM or SIGINT (a server's main coroutine, once it printed its `listening on` line)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def raise_fd_limit(needed: int) -> int:

@@ -567,8 +567,6 @@ def report(data: dict) -> tuple[str, str, dict]:
     return "\n".join(text), md, extra
 
 
-
-
 def requests_line(results: dict[str, list[dict]]) -> str:
     """The requests each level actually ran (completed + failed), not what the flags would have asked for."""
     counts: dict[int, set[int]] = {}

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
+from router.tasks import cancel
+
 JSON = "application/json"
 SHAPES = ("linear", "convex", "saturating")
 ACCEPT_PER = ("step", "request")
@@ -166,6 +168,19 @@ def predict(p: Physics, n: int, tokens: int, prompt_tokens: int = 20) -> float:
     return m * tokens / cycle * 1000.0
 
 
+def request_rng(key: int, seed: int) -> random.Random:
+    """The random stream of one request's own acceptance draw (key: the body's crc32; seed: the server's)."""
+    return random.Random(key * 1_000_003 + seed)
+
+
+def steps_per_token(p: Physics, body: bytes, seed: int) -> float:
+    """Decode steps per token the server with physics p and seed gives the request with this body: for a
+    per-request draw, 1 / its acceptance (what the judge reports as a configuration's luck); else the mean."""
+    if not p.speculative or p.accept_per == "step":
+        return p.mean_inverse_accept()
+    return 1.0 / Engine(p, seed=seed)._draw_request(request_rng(zlib.crc32(body), seed))
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 class Req:
@@ -209,19 +224,14 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel(self._task)
 
     def submit(self, r: Req, key: int | None = None) -> None:
         """Queue a request. `key` (the body's checksum) seeds a per-request acceptance: the same request gets the
         same draw whichever configuration sent it (common random numbers: two routers compared on the same
         prompts differ by their routing, not by which requests drew a hard prompt). None: the engine's stream."""
         if self.p.speculative and self.p.accept_per == "request":
-            rng = self.rng if key is None else random.Random(key * 1_000_003 + self.seed)
+            rng = self.rng if key is None else request_rng(key, self.seed)
             r.accept = self._draw_request(rng)
         self.waiting.append(r)
         self.wake.set()
@@ -455,16 +465,18 @@ class FamilyServer:
                 return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
-        if chat:
-            await resp.write(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}))
+        # SGLang sends the role chunk with the first output, after the prefill (so does bench/sim): a router's
+        # time to first byte is then the time to first token.
+        role = event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}) if chat else b""
         while True:
             await req.event.wait()
             req.event.clear()
             k = req.gen - req.sent
             if k > 0:
                 req.sent = req.gen
-                await resp.write(event(piece("tok " * k)))
+                await resp.write(role + event(piece("tok " * k)))
+                role = b""
             if req.done:
                 break
         tail = event(piece("", "length"))

@@ -6,10 +6,9 @@ speculative server, then the baseline. SIGTERM stops both. `--list` prints the m
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 
-from bench.cli import ArgError, fail, parser
+from bench.cli import ArgError, fail, parser, until_signal
 from bench.family import MEMBERS, Member, describe, start_pair
 
 
@@ -17,15 +16,9 @@ async def _serve(member: Member, speedup: float, port: int, port_b: int, seed: i
     spec, base = await start_pair(member, speedup, port, port_b, seed)
     print(f"listening on {spec.url}", flush=True)
     print(f"listening on {base.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signal()
     await spec.close()
     await base.close()
-
-
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("family", __doc__.splitlines()[0])

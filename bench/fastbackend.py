@@ -5,12 +5,12 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 
 from aiohttp import web
 
+from bench.cli import until_signal
 from bench.rawhttp import Connection, request_bytes
 
 # Precomputed bytes: the backend's own cost must stay far below the proxy's, so nothing is built per request
@@ -168,11 +168,7 @@ async def serve(host: str, port: int, model: str) -> None:
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"listening on http://{host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signal()
     await runner.cleanup()
 
 

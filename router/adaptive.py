@@ -19,7 +19,7 @@ from router.policy import (
     other,
     sole_pool,
 )
-from router.speedmodel import NEUTRAL, Params, SpeedModel
+from router.speedmodel import NEUTRAL, Params, PrefillModel, SpeedModel
 
 OBJECTIVES = ("throughput", "latency")
 # The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
@@ -49,6 +49,7 @@ FRESH = 10  # random exploration only of a pool not sent a request in this many 
 TIE_Z = 2.0
 MAX_TIE = 0.15
 SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier ties go to the steadier backend
+MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle samples; before, its pool's
 
 
 def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
@@ -116,6 +117,9 @@ class Adaptive:
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
+        self.prefill: dict[str, PrefillModel] = {}  # by pool name and by backend URL
+        self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
+        self.finished = 0
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         self.last_sent: dict[str, int] = {}  # pool -> decision count when it was last picked
@@ -207,11 +211,35 @@ class Adaptive:
             self.published[key] = new
 
     def observe(self, obs: Observation) -> None:
-        """One finished exchange: its seconds per token, against the requests running then."""
+        """One finished exchange: its seconds per token, against the requests running then; its prefill."""
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
         if got is not None:
             self._fold(obs.pool, obs.url, got[0], got[1])
+            self.finished += 1
+            self.tokens += max(0.05, 1.0 / self.finished) * (obs.completion_tokens - self.tokens)
+        if not obs.ok or not obs.prompt_tokens:
+            return
+        cached = obs.cached_tokens if obs.cached_tokens is not None else obs.expected_cached_tokens
+        uncached = max(0, obs.prompt_tokens - (cached or 0))
+        alone = obs.inflight_at_start == 1 and obs.ttft_s is not None and 0 < obs.ttft_s <= obs.duration_s
+        for key in (obs.url, obs.pool):
+            pm = self.prefill.get(key)
+            if pm is None:
+                pm = self.prefill[key] = PrefillModel(self.forgetting)
+            pm.note(uncached)
+            if alone:
+                pm.update(uncached, obs.ttft_s)
+
+    def stall(self, b: BackendView) -> float:
+        """Seconds one more request's prefill would hold up each request running on b (its prefill forward,
+        from requests that found a server idle): its own instance's, else its pool's; 0 while unmeasured. For
+        /router/state only: counted in the latency rule it cost more than it gained (docs/BENCH.md)."""
+        own = self.prefill.get(b.url)
+        if own is not None and own.samples >= MIN_INSTANCE_PREFILL:
+            return own.seconds()
+        pm = self.prefill.get(b.pool)
+        return pm.seconds() if pm is not None else 0.0
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
@@ -343,19 +371,29 @@ class Adaptive:
                     "tok_s_alone": round(fit.throughput(1), 1),
                     "tok_s_saturated": round(fit.throughput(fit.max_running or 10**6), 1)}
 
+        def prefill(key: str) -> dict:
+            pm = self.prefill.get(key)
+            if pm is None:
+                return {"prefill_s": 0.0, "prefill_s_per_ktok": None, "prefill_samples": 0}
+            k = pm.per_token()
+            return {"prefill_s": round(pm.seconds(), 5), "prefill_s_per_ktok": None if k is None else round(k * 1e3, 5),
+                    "prefill_samples": pm.samples, "uncached_tokens": round(pm.uncached, 1)}
+
         pools = {}
         for pool in (SPECULATIVE, BASELINE):
             members = view.pool(pool)
             if not members:
                 continue
-            pools[pool] = describe(pool, pool) | {
+            pools[pool] = describe(pool, pool) | prefill(pool) | {
                 "predicted_tok_s": round(self.predicted(members), 1),
                 "accept_length": self.accept_length(members)}
-        backends = [describe(b.url, b.pool) | {
+        backends = [describe(b.url, b.pool) | prefill(b.url) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
+            "stall_s": round(self.stall(b), 5),
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
                 "explore": self.explore, "deadband": self.deadband, "decisions": self.decisions,
+                "tokens_per_request": round(self.tokens, 1),
                 "pools": pools, "backends": backends}

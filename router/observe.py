@@ -47,6 +47,8 @@ class Observation:
     # From the usage: prompt tokens, and the cached ones when the backend reports them (None: not reported).
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # What the router's prefix index expected cached there (router.affinity), for a backend reporting none.
+    expected_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from router import outlier
 from router.affinity import Affinity, Placement
@@ -334,6 +335,8 @@ class Pools:
         # reported as a failed attempt already or is not the backend's doing.
         if obs.ok:
             self._outcome(backend, outlier.SUCCESS, None)
+        if placement is not None and obs.cached_tokens is None:
+            obs = replace(obs, expected_cached_tokens=placement.expected_cached)
         self.policy.observe(obs)
         if self.affinity is not None:
             self.affinity.observe(obs, placement, backend.generation)

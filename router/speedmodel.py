@@ -266,3 +266,64 @@ class SpeedModel:
         held = self.held()
         eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
+
+
+PREFILL_MIN_SPREAD = 0.05  # uncached prompt lengths varying less than this (relative sd) leave the slope unknown
+
+
+class PrefillModel:
+    """A server's prefill forward: seconds = fixed + per_token * uncached prompt tokens, fitted (weighted least
+    squares, forgetting per sample) on the time to first token of requests that found the server idle: there
+    the first token is that forward alone, which is also what the forward costs every request running beside it
+    (the batch waits for it). Kept apart from the speed model's whole-duration token times, which hold a
+    request's own prefill and the stalls others caused it but not the stall it causes the others."""
+
+    __slots__ = ("forgetting", "w", "su", "suu", "st", "sut", "samples", "uncached", "seen")
+
+    def __init__(self, forgetting: float = 0.99) -> None:
+        self.forgetting = forgetting
+        self.w = self.su = self.suu = self.st = self.sut = 0.0
+        self.samples = 0
+        self.uncached = 0.0  # EWMA of every request's uncached prompt tokens: the mix a stall is predicted for
+        self.seen = 0
+
+    def note(self, uncached: float) -> None:
+        """Any finished request's uncached prompt tokens (alone or not)."""
+        if uncached >= 0 and math.isfinite(uncached):
+            self.seen += 1
+            self.uncached += max(0.05, 1.0 / self.seen) * (uncached - self.uncached)
+
+    def update(self, uncached: float, ttft: float) -> None:
+        """One request that found the server idle: its uncached prompt tokens and its time to first token."""
+        if not (uncached >= 0 and ttft > 0 and math.isfinite(ttft) and math.isfinite(uncached)):
+            return
+        lam = self.forgetting
+        self.w = self.w * lam + 1.0
+        self.su = self.su * lam + uncached
+        self.suu = self.suu * lam + uncached * uncached
+        self.st = self.st * lam + ttft
+        self.sut = self.sut * lam + uncached * ttft
+        self.samples += 1
+
+    def per_token(self) -> float | None:
+        """Seconds per uncached prompt token, when the lengths seen vary enough to tell it from the fixed part."""
+        if self.samples < 3:
+            return None
+        mu = self.su / self.w
+        var = self.suu / self.w - mu * mu
+        if mu <= 0 or var <= (PREFILL_MIN_SPREAD * mu) ** 2:
+            return None
+        return max(0.0, (self.sut / self.w - mu * self.st / self.w) / var)
+
+    def seconds(self, uncached: float | None = None) -> float:
+        """The forward's predicted seconds for `uncached` tokens (default: this server's recent mix); 0 unknown.
+        With the slope unknown, the mean of what was measured (prompts of one length: the fixed part and the
+        per-token part cannot be told apart, and their sum is what was seen)."""
+        if self.samples == 0:
+            return 0.0
+        mean_t = self.st / self.w
+        k = self.per_token()
+        if k is None:
+            return mean_t
+        u = self.uncached if uncached is None else uncached
+        return max(0.0, mean_t + k * (u - self.su / self.w))

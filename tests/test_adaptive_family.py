@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.family import MEMBERS, predict, start_pair
+from bench.family import MEMBERS, predict
 from bench.load import LoadSpec, load_prompts, run_closed
 
-SPEEDUP = 5.0
 TOKENS = 96
 
 
-@pytest.fixture
-async def family_pair():
-    made = []
-
-    async def make(name: str):
-        pair = await start_pair(MEMBERS[name], SPEEDUP)
-        made.extend(pair)
-        return pair
-
-    yield make
-    for s in made:
-        await s.close()
+async def _cold_adaptive(family_pair, router_factory, name: str) -> str:
+    """A cold adaptive router (load_signal backend) in front of one member pair; its URL."""
+    spec, base = await family_pair(name)
+    router = await router_factory([spec.url], [base.url], policy="adaptive", load_signal="backend",
+                                  load_interval=0.2)
+    return router.url
 
 
 async def _records(url: str, c: int, n: int) -> list:
@@ -39,10 +32,7 @@ async def test_light_load_goes_to_the_server_faster_alone(family_pair, router_fa
     both are measured nearly every request goes there."""
     m = MEMBERS["convex-10"]
     assert predict(m.speculative, 1, TOKENS) > 1.5 * predict(m.baseline, 1, TOKENS)
-    spec, base = await family_pair("convex-10")
-    router = await router_factory([spec.url], [base.url], policy="adaptive", load_signal="backend",
-                                  load_interval=0.2)
-    recs = await _records(router.url, 1, 40)
+    recs = await _records(await _cold_adaptive(family_pair, router_factory, "convex-10"), 1, 40)
     late = recs[20:]
     share = sum(r.pool == "speculative" for r in late) / len(late)
     assert share >= 0.85, [r.pool for r in recs]
@@ -54,10 +44,7 @@ async def test_saturation_splits_toward_the_server_faster_there(family_pair, rou
     reaches 1101 with 32; the best split by the parameters keeps 8 of 32 on the speculative server, where each
     request runs faster, so about 72% of the requests complete on the baseline. Cold, the first round is spread
     by load; by the later rounds adaptive must lean to the baseline, but not abandon the other server."""
-    spec, base = await family_pair("linear-12")
-    router = await router_factory([spec.url], [base.url], policy="adaptive", load_signal="backend",
-                                  load_interval=0.2)
-    recs = await _records(router.url, 32, 160)
+    recs = await _records(await _cold_adaptive(family_pair, router_factory, "linear-12"), 32, 160)
     late = recs[64:]
     share = sum(r.pool == "baseline" for r in late) / len(late)
     assert 0.6 <= share <= 0.9, share

@@ -7,26 +7,14 @@ import aiohttp
 import pytest
 
 from bench import figures
-from bench.family import MEMBERS, FamilyServer, Physics, predict, start_pair
+from bench.family import MEMBERS, FamilyServer, Physics, predict
 from bench.load import LoadSpec, load_prompts, run_closed
 from router.loads import parse_figures
+from tests.fixtures_family import FAMILY_SPEEDUP
 
-SPEEDUP = 5.0
+SPEEDUP = FAMILY_SPEEDUP
 TOKENS = 96
 
-
-@pytest.fixture
-async def pair_factory():
-    made = []
-
-    async def make(name: str):
-        spec, base = await start_pair(MEMBERS[name], SPEEDUP)
-        made.extend([spec, base])
-        return spec, base
-
-    yield make
-    for s in made:
-        await s.close()
 
 
 async def _closed(url: str, c: int, requests: int) -> dict:
@@ -63,8 +51,8 @@ def test_poisson_accept_mean_is_capped_exactly():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["linear-12", "convex-10"])
-async def test_throughput_at_1_and_8_is_what_the_parameters_say(pair_factory, name):
-    spec, base = await pair_factory(name)
+async def test_throughput_at_1_and_8_is_what_the_parameters_say(family_pair, name):
+    spec, base = await family_pair(name)
     for srv in (spec, base):
         for c, n in ((1, 6), (8, 24)):
             fig = await _closed(srv.url, c, n)
@@ -74,8 +62,8 @@ async def test_throughput_at_1_and_8_is_what_the_parameters_say(pair_factory, na
 
 
 @pytest.mark.timeout(60)
-async def test_loads_queue_and_accept_length_as_the_router_reads_them(pair_factory):
-    spec, base = await pair_factory("issue28")  # speculative max_running 16
+async def test_loads_queue_and_accept_length_as_the_router_reads_them(family_pair):
+    spec, base = await family_pair("issue28")  # speculative max_running 16
     async with aiohttp.ClientSession() as s:
         async def one():
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
@@ -97,8 +85,8 @@ async def test_loads_queue_and_accept_length_as_the_router_reads_them(pair_facto
 
 
 @pytest.mark.timeout(30)
-async def test_streams_carry_usage_last_and_bad_requests_are_400(pair_factory):
-    spec, _ = await pair_factory("linear-12")
+async def test_streams_carry_usage_last_and_bad_requests_are_400(family_pair):
+    spec, _ = await family_pair("linear-12")
     async with aiohttp.ClientSession() as s:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                            ("/v1/completions", {"prompt": "x"})):
@@ -145,7 +133,7 @@ def _fig(c: int, tput: float, share: float = 0.5) -> dict:
 def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
     from types import SimpleNamespace
 
-    from bench.judge import Judge
+    from bench.judging import Judge
 
     ns = SimpleNamespace(levels=[1, 8], thresholds=[1, 4], speedup=5.0)
     j = Judge.__new__(Judge)

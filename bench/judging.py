@@ -1,0 +1,198 @@
+"""One family member pair judged (bench judge, scripts/judge_record.py): its servers, the routers of every
+configuration, the closed-loop levels, the cold-start runs."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+from bench import figures, procs
+from bench.cli import run_async, wait_serving
+from bench.family import MEMBERS, describe, steps_per_token
+from bench.load import LoadSpec, build_body, load_prompts, run_closed
+from bench.streams import learned_state
+
+FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balanced")
+BAR = 0.95
+LOAD_INTERVAL = 0.5
+SETTLE_S = 1.0  # before a learned router's level: two of its /v1/loads polls, past the previous drain
+
+
+class Judge:
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.prompts = load_prompts("coding")
+        # The prompt order's offset, one per repeat (seed + repeat). A member drawing its acceptance per request
+        # draws it from the body (the same request, the same draw, whichever router sent it), so a router that
+        # alternates sends a fixed half of the prompts to the speculative server: with one offset for all
+        # repeats, round-robin got the same easier half (mean steps per token 0.47 against 0.54) in all three.
+        self.load_seed = ns.seed
+
+    def requests_for(self, c: int) -> int:
+        return max(self.ns.min_requests, self.ns.rounds * c)
+
+    async def level(self, url: str, c: int, requests: int | None = None, duration: float | None = None) -> dict:
+        n = self.requests_for(c) if requests is None and duration is None else requests
+        spec = LoadSpec(url=url, prompts=self.prompts, max_tokens=self.ns.max_tokens, requests=n, duration=duration,
+                        timeout=60.0, level_timeout=300.0, seed=self.load_seed)
+        run = await run_closed(spec, c)
+        fig = figures.compute(run, self.ns.speedup)
+        out = {k: fig.get(k) for k in ("concurrency", "output_throughput", "completed", "failed", "duration_s",
+                                        "speculative_share", "steady_output_throughput", "median_e2e_latency_ms")}
+        out["luck"] = self.luck(spec, run.records)
+        return out
+
+    def luck(self, spec: LoadSpec, records: list) -> float | None:
+        """The mean steps per token of the requests this configuration sent to the speculative server, over
+        that of all the level's requests (members drawing acceptance per request; None otherwise): below 1, the
+        speculative server got the easier prompts. Request i (in start order) carries prompt offset + i."""
+        p = MEMBERS[self.member_name].speculative
+        if not p.speculative or p.accept_per != "request":
+            return None
+        bodies = [build_body(q, spec.model, spec.max_tokens, spec.extra_body) for q in spec.prompts]
+        offset = random.Random(spec.seed).randrange(len(bodies))
+        draws = [steps_per_token(p, bodies[(offset + i) % len(bodies)], self.ns.seed)
+                 for i in range(len(records))]
+        ordered = sorted(records, key=lambda r: r.start)
+        spec_draws = [d for d, r in zip(draws, ordered, strict=True) if r.pool == "speculative"]
+        if not spec_draws or not draws:
+            return None
+        return round((sum(spec_draws) / len(spec_draws)) / (sum(draws) / len(draws)), 3)
+
+    def router(self, group: procs.ProcGroup, policy: str, spec: bool, base: bool, threshold: int | None = None,
+               extra: list[str] | None = None) -> str:
+        r = group.add(procs.start_router([self.spec_url] if spec else [], [self.base_url] if base else [], policy,
+                                         threshold, extra=extra))
+        run_async(wait_serving(r.url, proc=r.proc))
+        return r.url
+
+    def adaptive(self, group: procs.ProcGroup) -> str:
+        return self.router(group, "adaptive", True, True, None,
+                           ["--load-signal", "backend", "--load-interval", str(LOAD_INTERVAL)])
+
+    def warm_up(self, url: str) -> dict:
+        """At most --warmup-seconds of the servers' time, in equal shares at each level (a cold router, then
+        traffic that moves through the loads it will be judged at)."""
+        ns = self.ns
+        if ns.warmup_seconds <= 0:
+            return {"seconds": 0.0, "requests": 0}
+        levels = ns.warmup_levels or ns.levels
+        each = ns.warmup_seconds / len(levels) / ns.speedup
+        done, t0 = 0, time.monotonic()
+        for c in levels:
+            fig = run_async(self.level(url, c, requests=None, duration=each))
+            done += fig["completed"]
+        return {"seconds": ns.warmup_seconds, "wall_s": round(time.monotonic() - t0, 2), "requests": done,
+                "levels": levels}
+
+    def repeat(self, k: int) -> dict:
+        ns = self.ns
+        self.load_seed = ns.seed + k
+        out: dict = {"repeat": k, "levels": ns.levels, "configs": {}, "load_seed": self.load_seed}
+        with procs.ProcGroup() as group:
+            singles = [("all-speculative", self.router(group, "spillover", True, False)),
+                       ("all-baseline", self.router(group, "spillover", False, True))]
+            for name, _ in singles:
+                out["configs"][name] = []
+            for c in ns.levels:
+                for name, url in singles:
+                    out["configs"][name].append(run_async(self.level(url, c)))
+            curves = {name: ",".join(f"{f['concurrency']}:{f['output_throughput']:.1f}" for f in out["configs"][name])
+                      for name, _ in singles}
+            routed = [("round-robin", self.router(group, "round-robin", True, True))]
+            routed += [(f"spillover@{t}", self.router(group, "spillover", True, True, t)) for t in ns.thresholds]
+            # balanced twice: the second router is the control, how far one routed configuration's figure moves
+            # between two runs of a level on this host (never a "best fixed").
+            for name in ("balanced", "balanced-again"):
+                routed.append((name, self.router(group, "balanced", True, True, None, [
+                    "--speculative-curve", curves["all-speculative"], "--baseline-curve", curves["all-baseline"]])))
+            adaptive = self.adaptive(group)
+            out["warmup"] = self.warm_up(adaptive)
+            routed.append(("adaptive", adaptive))
+            for name, _ in routed:
+                out["configs"][name] = []
+            for c in ns.levels:
+                for name, url in routed:
+                    if name == "adaptive":
+                        time.sleep(SETTLE_S)
+                    out["configs"][name].append(run_async(self.level(url, c)))
+            out["curves"] = curves
+            out["learned"] = run_async(learned_state(adaptive))
+        self.judge_repeat(out)
+        out["cold"] = self.cold_start(out)
+        return out
+
+    def judge_repeat(self, out: dict) -> None:
+        """The spillover threshold best over the levels (what a user would pin), then per level the best fixed
+        configuration and adaptive against it."""
+        cfgs, ns = out["configs"], self.ns
+        spills = [f"spillover@{t}" for t in ns.thresholds]
+        n = len(ns.levels)
+        best_each = [max(figures.tput(cfgs[s][i]) for s in spills) for i in range(n)]
+        best_spill = max(spills, key=lambda s: sum(figures.tput(cfgs[s][i]) / best_each[i] for i in range(n)))
+        out["spillover_best"] = best_spill
+        rows = []
+        for i, c in enumerate(ns.levels):
+            fixed = {name: figures.tput(cfgs[best_spill if name == "spillover" else name][i]) for name in FIXED}
+            best = max(fixed, key=fixed.get)
+            every = max([*fixed.values(), best_each[i]])
+            ad = figures.tput(cfgs["adaptive"][i])
+            control = figures.tput(cfgs["balanced-again"][i]) / fixed["balanced"] if fixed["balanced"] else 0.0
+            rows.append({"concurrency": c, "best_fixed": best, "control": control, "best_fixed_tput": fixed[best],
+                         "adaptive": ad,
+                         "ratio": ad / fixed[best] if fixed[best] else 0.0,
+                         "ratio_vs_every_threshold": ad / every if every else 0.0,
+                         "adaptive_share": cfgs["adaptive"][i]["speculative_share"],
+                         "best_share": cfgs[best_spill if best == "spillover" else best][i]["speculative_share"],
+                         "adaptive_luck": cfgs["adaptive"][i].get("luck"),
+                         "best_luck": cfgs[best_spill if best == "spillover" else best][i].get("luck"),
+                         "failed": sum(cfgs[name][i]["failed"] for name in cfgs)})
+        out["rows"] = rows
+
+    def cold_start(self, out: dict) -> list[dict]:
+        """Per level: a fresh adaptive router; runs of the level until one is within 5% of the best fixed."""
+        ns, got = self.ns, []
+        for i, c in enumerate(ns.levels):
+            target = out["rows"][i]["best_fixed_tput"]
+            runs, before_req, before_s = [], 0, 0.0
+            reached = None
+            with procs.ProcGroup() as group:
+                url = self.adaptive(group)
+                for j in range(ns.cold_runs):
+                    fig = run_async(self.level(url, c))
+                    ratio = figures.tput(fig) / target if target else 0.0
+                    runs.append(round(ratio, 3))
+                    if ratio >= BAR:
+                        reached = j
+                        break
+                    before_req += fig["completed"]
+                    before_s += fig["duration_s"]
+            got.append({"concurrency": c, "runs": runs, "reached_at_run": reached,
+                        "requests_before": before_req if reached is not None else None,
+                        "seconds_before": round(before_s, 1) if reached is not None else None,
+                        "requests_tried": before_req, "seconds_tried": round(before_s, 1)})
+        return got
+
+    def member(self, name: str) -> dict:
+        ns = self.ns
+        self.member_name = name
+        t0, load0 = time.time(), os.getloadavg()
+        with procs.ProcGroup() as group:
+            pair = group.add(procs.start(f"family {name}", ["bench", "family", "--member", name, "--speedup",
+                                                          f"{ns.speedup:g}", "--seed", str(ns.seed)], lines=2))
+            self.spec_url, self.base_url = pair.urls
+            repeats = []
+            for k in range(ns.repeats):
+                repeats.append(self.repeat(k))
+                r = repeats[-1]
+                print(f"{name} repeat {k}: " + ", ".join(
+                    f"c={row['concurrency']} {row['ratio']:.3f} ({row['best_fixed']})" for row in r["rows"])
+                    + " | cold: " + ", ".join(f"c={x['concurrency']} {x['runs']}" for x in r["cold"]),
+                    file=sys.stderr, flush=True)
+        m = MEMBERS[name]
+        return {"member": name, "physics": m.physics, "expect": m.expect, "describe": describe(m, ns.max_tokens),
+                "repeats": repeats,
+                "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
+                         "wall_seconds": round(time.time() - t0, 1)}}
