@@ -158,16 +158,21 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def read_json_file(path: Path, what: str, error: type[Exception]):
+    """A JSON file's content, or `error` with one line saying which `what` file and why."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"cannot read {what} {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} {path} is not valid JSON: {exc}") from None
+
+
 def load_profile_file(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"profile file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"cannot read profile file {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile file {path} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "profile file", ProfileError)
     if not isinstance(data, dict):
         raise ProfileError(f"profile file {path} must hold a JSON object")
     data.setdefault("name", path.stem)

@@ -3,9 +3,10 @@ the `--speculative-adaptive-config` JSON file (python/sglang/srt/speculative/ada
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.sim.profiles import read_json_file
 
 # SGLang's DEFAULT_ADAPTIVE_CONFIG: batch-size lower bound -> the draft step counts that slot may run (0: no
 # drafting; the draft model still runs its extend pass) and its hysteresis. Knobs not given take the slot
@@ -30,14 +31,7 @@ def load_config(path: str | Path | None) -> dict:
     if path is None:
         return DEFAULT_CONFIG
     path = Path(path)
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AdaptiveConfigError(f"adaptive config not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AdaptiveConfigError(f"cannot read adaptive config {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise AdaptiveConfigError(f"adaptive config {path} is not valid JSON: {exc}") from None
+    cfg = read_json_file(path, "adaptive config", AdaptiveConfigError)
     check_config(cfg, str(path))
     return cfg
 
