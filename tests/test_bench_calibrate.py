@@ -201,7 +201,9 @@ async def test_balanced_router_places_requests_as_computed_by_hand(raw_backend_f
 def test_balanced_predicted_against_spillover_and_round_robin(profile):
     """On the committed calibrate curves: balanced is no worse than spillover at the calibrated threshold
     and round-robin on average over the levels, ahead of both from 70 clients up, and never more than 4%
-    behind the better of them at any level (speed-equalising is not exactly throughput-optimal mid-range)."""
+    behind the better of them at any level (speed-equalising is not exactly throughput-optimal mid-range).
+    Reads bench/results/calibrate-eagle3-good-tp8-baseline-tp8.json and
+    bench/results/calibrate-eagle3-tp8-baseline-tp8.json."""
     data = json.loads((RESULTS / f"calibrate-{profile}-baseline-tp8.json").read_text())
     spec = Curve.from_figs(data["results"]["speculative"])
     base = Curve.from_figs(data["results"]["baseline"])
