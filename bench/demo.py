@@ -130,6 +130,9 @@ def main(argv: list[str]) -> int:
         print(equal.render_text(rows, configs, refs, gpus))
     title = (f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
              + (f", {ns.preset}" if ns.preset else "") + ")")
+    shown_unfit = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind in unfit and n in results]
+    if shown_unfit:  # the picture alone must not offer them either
+        title += f"\n{' and '.join(shown_unfit)}: do not fit this model on these GPUs (shown, never recommended)"
     paths = write_outputs(ns.out, "demo", cfg.as_dict(), results, title=title, extra=extra, gpus=gpus)
     print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}")
     print(next_step(paths[0]))
