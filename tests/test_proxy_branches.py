@@ -30,7 +30,14 @@ WITH_USAGE = {**STREAM, "stream_options": {"include_usage": True}}
 # Only the first probe round: a backend a test breaks afterwards is still "up" when the request comes.
 # A long probe timeout: on a busy machine a 1 s probe of a healthy backend can time out, and with one
 # round that backend would stay down for the whole test.
-ONE_PROBE = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "connect_timeout": 0.3}
+# A connect timeout only as short as a test needs: 0.3 s where a blackholed connect must time out, and 5 s
+# wherever a connect must succeed (a 2-core CI machine can stall the loop past 0.3 s; a 504 then is a flake).
+ONE_PROBE = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "connect_timeout": 5.0}
+
+
+def _probe(kind: str, short: float) -> dict:
+    """ONE_PROBE, with a `short` connect timeout for the blackhole kind."""
+    return {**ONE_PROBE, "connect_timeout": short} if kind == "connect_timeout" else ONE_PROBE
 
 
 async def all_up(router, within: float = 10.0) -> None:
@@ -162,7 +169,7 @@ async def test_retry_budget_when_every_backend_fails(raw_backend_factory, router
     `attempts + 1 >= retries` (one too few), in the exception path and in the 502/503 path."""
     fail = _failing(kind)
     backends = [await raw_backend_factory({CHAT: fail} if fail else {}) for _ in range(4)]
-    router = await router_factory([b.url for b in backends], [], retries=retries, **ONE_PROBE)
+    router = await router_factory([b.url for b in backends], [], retries=retries, **_probe(kind, 0.3))
     for b in backends:
         await _break(b, kind)
     status, headers, raw = await post(router.url, BODY)
@@ -183,7 +190,7 @@ async def test_one_failing_backend_and_a_retry_target(raw_backend_factory, route
     fail = _failing(kind)
     bad = await raw_backend_factory({CHAT: fail} if fail else {})
     good = await raw_backend_factory()
-    router = await router_factory([bad.url], [good.url], retries=retries, **ONE_PROBE)
+    router = await router_factory([bad.url], [good.url], retries=retries, **_probe(kind, 1.0))  # its retry connects
     await _break(bad, kind)
     status, headers, raw = await post(router.url, STREAM)
     if retries == 0:

@@ -31,7 +31,7 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 STREAM = {**BODY, "stream": True}
 # One probe round only, long enough not to fail on a busy machine; no retry, so each answer is one attempt's.
-SETTINGS = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "connect_timeout": 0.3,
+SETTINGS = {"health_interval": 60.0, "health_timeout": 10.0, "first_byte_timeout": 5.0, "connect_timeout": 5.0,
             "retries": 0}
 
 
@@ -91,7 +91,7 @@ async def test_refused_connection_is_502_backend_unreachable_with_the_os_reason(
 async def test_connect_timeout_is_504_with_its_own_message(raw_backend_factory, router_factory):
     """mutmut: map_error 1-9 (the error None, message None or missing, kind None / missing / misspelt)."""
     b = await raw_backend_factory({})
-    router = await router_factory([b.url], [], **SETTINGS)
+    router = await router_factory([b.url], [], **{**SETTINGS, "connect_timeout": 0.3})
     await b.blackhole()
     status, raw = await post(router.url, BODY)
     assert status == 504
