@@ -151,6 +151,25 @@ def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
     assert one["best_fixed"] in ("all-speculative", "balanced") and one["ratio"] == pytest.approx(0.96)
     assert one["control"] == pytest.approx(0.98)
     assert eight["best_fixed"] == "spillover" and eight["ratio"] == pytest.approx(0.9)
+    # the bar applied to the control (balanced again over the best fixed): 0.98 at 1 client, 580/600 at 8
+    assert one["control_vs_best"] == pytest.approx(0.98)
+    assert eight["control_vs_best"] == pytest.approx(580 / 600)
+
+
+def test_judge_summary_counts_adaptive_and_the_control_against_the_bar():
+    from bench.judge import control_vs_best, summary
+
+    def rep(ratios, controls, stored=True):
+        rows = [{"ratio": r, "best_fixed_tput": 100.0} | ({"control_vs_best": c} if stored else {})
+                for r, c in zip(ratios, controls, strict=True)]
+        return {"levels": [1, 8], "rows": rows,
+                "configs": {"balanced-again": [{"output_throughput": 100.0 * c} for c in controls]}}
+
+    # a file written before rows held the control's figure: computed from the configs
+    assert control_vs_best(rep([1.0, 1.0], [0.9, 0.96], stored=False), 0) == pytest.approx(0.9)
+    res = {"member": "m", "repeats": [rep([0.96, 0.94], [0.99, 0.949]), rep([0.95, 0.97], [0.95, 1.0])]}
+    assert summary(res) == ("m: adaptive >= 0.95 x best fixed in 3 of 4 cells (1 of 2 levels in every repeat); "
+                            "the control (balanced again) in 3 of 4.")
 
 
 def test_judge_and_family_commands_refuse_bad_flags(capsys):
