@@ -61,7 +61,7 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
     another request's prefill stalling the batch) is slower for it. Decode time alone made the speculative
     model a few percent optimistic against the curves `balanced` routes on. A wait in the server's queue is
     not the server's speed: the model knows the queue from max_running_requests (Params.running)."""
-    tokens = obs.completion_tokens
+    tokens = obs.tokens()
     if not obs.ok or tokens is None or tokens < 2 or obs.duration_s <= 0:
         return None
     if obs.ttft_s is not None and obs.ttft_s > obs.duration_s:
@@ -214,10 +214,10 @@ class Adaptive:
         """One finished exchange: its seconds per token, against the requests running then; its prefill."""
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
-        if got is not None:
+        if got is not None:  # so obs.tokens() is known
             self._fold(obs.pool, obs.url, got[0], got[1])
             self.finished += 1
-            self.tokens += max(0.05, 1.0 / self.finished) * (obs.completion_tokens - self.tokens)
+            self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
         if not obs.ok or not obs.prompt_tokens:
             return
         cached = obs.cached_tokens if obs.cached_tokens is not None else obs.expected_cached_tokens

@@ -61,7 +61,7 @@ class Exchange:
     """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "cut", "first", "delivered", "watchdog", "slot", "placement")
+                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "slot", "placement")
 
     def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None) -> None:
         self.st = st
@@ -78,6 +78,7 @@ class Exchange:
         self.inflight_at_start = lease.backend.inflight
         self.ttft: float | None = None
         self.chunks = 0
+        self.data_events = 0  # SSE `data:` events forwarded ([DONE] included): tokens where no usage comes
         self.cut = False  # set when the drain ended before this exchange did
         # self.first: a stream's first chunk, set by proxy() and taken by stream() (nothing reads it before)
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
@@ -233,6 +234,8 @@ class Exchange:
                 if events:
                     now = time.monotonic()
                     self.chunks += 1
+                    # Events end in a blank line and JSON escapes its newlines: "\ndata:" starts an event.
+                    self.data_events += events.count(b"\ndata:") + events.startswith(b"data:")
                     if last is None:
                         self.ttft = now - self.t0
                         m.ttft_by_pool[self.pool].observe(self.ttft)
@@ -290,7 +293,8 @@ class Exchange:
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached), self.placement)  # cached: None until a usage came
+            u.prompt if u.seen else None, u.cached, data_events=self.data_events),
+            self.placement)  # cached: None until a usage came
         self.lease.release()
         self.give_slot()
         if self.upstream is not None:

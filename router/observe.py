@@ -49,6 +49,15 @@ class Observation:
     cached_tokens: int | None = None
     # What the router's prefix index expected cached there (router.affinity), for a backend reporting none.
     expected_cached_tokens: int | None = None
+    # SSE `data:` events of a stream ([DONE] included; 0 when not streamed): an engine that sends no usage chunk
+    # (llama-cpp-python ignores stream_options) sends one token per event, so it counts its tokens there.
+    data_events: int = 0
+
+    def tokens(self) -> int | None:
+        """Completion tokens: the usage's, else a stream's data events but [DONE] (None when neither is known)."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return self.data_events - 1 if self.ttft_s is not None and self.data_events > 1 else None
 
 
 @dataclass(frozen=True, slots=True)

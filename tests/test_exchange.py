@@ -726,3 +726,40 @@ async def test_each_prefix_placement_is_counted_with_its_prompt_and_expected_cac
     assert m("router_prefix_decisions_total", pool="speculative", reason=short.reason) == 1
     assert m("router_prefix_prompt_tokens_total", pool="speculative") == 2 * first.prompt_tokens
     assert m("router_prefix_expected_cached_tokens_total", pool="speculative") == second.expected_cached
+
+
+async def test_a_stream_without_usage_counts_its_tokens_by_its_data_events(raw_backend_factory, router_factory):
+    """An engine that sends no usage chunk (llama-cpp-python ignores stream_options) sends one token per event:
+    four content events and [DONE] in ONE read are 1 chunk and 5 data events, 4 tokens; a "data:" inside the
+    content (JSON escapes its newline) is not an event. The adaptive policy and the prefix costs learn from it."""
+    events = [event("a"), event("b\ndata: c"), event("d"), event("e"), "[DONE]"]
+
+    async def act(c: Conn) -> None:
+        await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.write_chunked(sse_body(*events))
+        await c.write(b"0\r\n\r\n")
+
+    spec = await raw_backend_factory({CHAT: act})
+    base = await raw_backend_factory({CHAT: act})
+    router = await router_factory([spec.url], [base.url], policy="adaptive", **SETTINGS)
+    seam = Seam(router)
+    async with aiohttp.ClientSession() as s, s.post(router.url + CHAT, json=STREAM) as r:
+        assert await r.read() == sse_body(*events)
+    await poll(lambda: len(seam.done) == 1, 10)
+    (obs,) = seam.done
+    assert (obs.ok, obs.completion_tokens, obs.chunks, obs.data_events, obs.tokens()) == (True, None, 1, 5, 4)
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
+        learned = (await r.json())["model"]
+    assert learned["pools"][obs.pool]["samples"] == 1 and learned["tokens_per_request"] == 4
+
+
+def test_observation_tokens_prefers_the_usage_and_needs_a_stream_for_the_fallback():
+    def obs(**kw) -> Observation:
+        return Observation(**({"pool": "speculative", "url": "u", "inflight_at_start": 1, "inflight_at_end": 1,
+                               "duration_s": 1.0, "ttft_s": 0.1, "completion_tokens": None, "chunks": 1,
+                               "ok": True} | kw))
+
+    assert obs(completion_tokens=7, data_events=3).tokens() == 7  # the usage wins
+    assert obs(data_events=3).tokens() == 2  # [DONE] is not a token
+    assert obs(data_events=1).tokens() is None  # [DONE] alone says nothing
+    assert obs(ttft_s=None, data_events=3).tokens() is None  # not streamed: the body carried no usage
