@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bench import procs
-from bench.cli import ArgError, NotServing, fail, int_list, parser
+from bench.cli import BARE_TARGET, ArgError, NotServing, fail, int_list, parser, target
 from bench.family import MEMBERS
 from bench.judging import BAR, Judge
 from bench.load import BenchInputError
@@ -87,9 +87,19 @@ def summary(res: dict) -> str:
             f" levels in every repeat); the control (balanced again) in {ctl} of {len(rows)}.")
 
 
+def _url(text: str) -> str:
+    name, url = target(text)
+    if name != BARE_TARGET:
+        raise ValueError(f"a URL, not NAME=URL: {text}")
+    return url
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("judge", __doc__.splitlines()[0])
     p.add_argument("--member", action="append", choices=sorted(MEMBERS), help="repeatable; default: all")
+    p.add_argument("--speculative", type=_url, metavar="URL",
+                   help="with --baseline: judge this running pair instead of family members (e.g. `bench engines`)")
+    p.add_argument("--baseline", type=_url, metavar="URL")
     p.add_argument("--speedup", type=float, default=5.0)
     p.add_argument("--levels", type=int_list, default=int_list("1,2,4,8,16,32"), help="closed-loop levels")
     p.add_argument("--thresholds", type=int_list, default=int_list("1,2,4,8"), help="spillover thresholds scanned")
@@ -112,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("judge", exc)
     if ns.speedup <= 0 or ns.repeats < 1 or ns.rounds < 1 or ns.cold_runs < 1 or not 0 <= ns.warmup_seconds <= 30:
         return fail("judge", "--speedup > 0, --repeats/--rounds/--cold-runs >= 1, 0 <= --warmup-seconds <= 30")
+    if (ns.speculative is None) != (ns.baseline is None) or (ns.speculative and ns.member):
+        return fail("judge", "--speculative and --baseline go together, and not with --member")
     if ns.render:
         try:
             docs = [json.loads(f.read_text(encoding="utf-8")) for f in ns.render]
@@ -124,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     ns.out.mkdir(parents=True, exist_ok=True)
     try:
-        for name in ns.member or list(MEMBERS):
-            results.append(judge.member(name))
+        pairs = [(ns.name, (ns.speculative, ns.baseline))] if ns.speculative else [(m, None) for m in ns.member or MEMBERS]
+        for name, urls in pairs:
+            results.append(judge.member(name, urls))
             (ns.out / f"{ns.name}.json").write_text(json.dumps({"command": cmd, "speedup": ns.speedup,
                                                                 "max_tokens": ns.max_tokens,
                                                                 "results": results}, indent=1), encoding="utf-8")

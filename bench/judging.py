@@ -29,6 +29,7 @@ class Judge:
         # alternates sends a fixed half of the prompts to the speculative server: with one offset for all
         # repeats, round-robin got the same easier half (mean steps per token 0.47 against 0.54) in all three.
         self.load_seed = ns.seed
+        self.external: tuple[str, str] | None = None  # a running pair judged instead of a family member
 
     def requests_for(self, c: int) -> int:
         return max(self.ns.min_requests, self.ns.rounds * c)
@@ -48,8 +49,9 @@ class Judge:
         """The mean steps per token of the requests this configuration sent to the speculative server, over
         that of all the level's requests (members drawing acceptance per request; None otherwise): below 1, the
         speculative server got the easier prompts. Request i (in start order) carries prompt offset + i."""
-        p = MEMBERS[self.member_name].speculative
-        if not p.speculative or p.accept_per != "request":
+        m = MEMBERS.get(self.member_name) if self.external is None else None
+        p = m.speculative if m is not None else None
+        if p is None or not p.speculative or p.accept_per != "request":
             return None
         bodies = [build_body(q, spec.model, spec.max_tokens, spec.extra_body) for q in spec.prompts]
         offset = random.Random(spec.seed).randrange(len(bodies))
@@ -180,14 +182,20 @@ class Judge:
                         "requests_tried": before_req, "seconds_tried": round(before_s, 1)})
         return got
 
-    def member(self, name: str) -> dict:
+    def member(self, name: str, urls: tuple[str, str] | None = None) -> dict:
+        """One family member's servers (started here), or with `urls` a running pair (speculative, baseline)."""
         ns = self.ns
-        self.member_name = name
+        self.member_name, self.external = name, urls
         t0, load0 = time.time(), os.getloadavg()
         with procs.ProcGroup() as group:
-            pair = group.add(procs.start(f"family {name}", ["bench", "family", "--member", name, "--speedup",
-                                                          f"{ns.speedup:g}", "--seed", str(ns.seed)], lines=2))
-            self.spec_url, self.base_url = pair.urls
+            if urls is None:
+                pair = group.add(procs.start(f"family {name}", ["bench", "family", "--member", name, "--speedup",
+                                                              f"{ns.speedup:g}", "--seed", str(ns.seed)], lines=2))
+                self.spec_url, self.base_url = pair.urls
+            else:
+                self.spec_url, self.base_url = urls
+                for url in urls:
+                    run_async(wait_serving(url, within=60.0))
             repeats = []
             for k in range(ns.repeats):
                 repeats.append(self.repeat(k))
@@ -196,8 +204,13 @@ class Judge:
                     f"c={row['concurrency']} {row['ratio']:.3f} ({row['best_fixed']})" for row in r["rows"])
                     + " | cold: " + ", ".join(f"c={x['concurrency']} {x['runs']}" for x in r["cold"]),
                     file=sys.stderr, flush=True)
-        m = MEMBERS[name]
-        return {"member": name, "physics": m.physics, "expect": m.expect, "describe": describe(m, ns.max_tokens),
+        if urls is None:
+            m = MEMBERS[name]
+            what = {"physics": m.physics, "expect": m.expect, "describe": describe(m, ns.max_tokens)}
+        else:
+            what = {"physics": f"a running pair: speculative {urls[0]}, baseline {urls[1]}",
+                    "expect": "unknown beforehand", "describe": ""}
+        return {"member": name, **what,
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -178,5 +179,36 @@ def test_judge_and_family_commands_refuse_bad_flags(capsys):
     assert judge.main(["--levels", "x"]) == 2
     assert judge.main(["--warmup-seconds", "31"]) == 2
     assert familyserve.main(["--member", "nope"]) == 2
+    # a running pair: both URLs or neither, bare URLs, never with --member
+    assert judge.main(["--speculative", "http://127.0.0.1:9"]) == 2
+    assert judge.main(["--speculative", "http://127.0.0.1:9", "--baseline", "b=http://127.0.0.1:9"]) == 2
+    assert judge.main(["--speculative", "http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9",
+                       "--member", "linear-12"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
+    assert len(err) == 6 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
+
+
+def test_judge_a_running_pair_end_to_end(tmp_path):
+    """`bench judge --speculative URL --baseline URL` judges servers it did not start (here a family pair run
+    apart, standing in for `bench engines` or a user's own): every configuration served both levels (balanced's curve needs two), and the
+    report names the pair, with no luck column (nothing is known of its acceptance draws)."""
+    from bench import judge, procs
+
+    with procs.ProcGroup() as group:
+        pair = group.add(procs.start("family", ["bench", "family", "--member", "linear-12", "--speedup", "20"],
+                                     lines=2))
+        spec, base = pair.urls
+        rc = judge.main(["--speculative", spec, "--baseline", base, "--speedup", "20", "--levels", "1,2",
+                         "--thresholds", "1", "--repeats", "1", "--cold-runs", "1", "--warmup-seconds", "0",
+                         "--min-requests", "4", "--max-tokens", "8", "--out", str(tmp_path), "--name", "mine"])
+    assert rc == 0
+    res = json.loads((tmp_path / "mine.json").read_text())["results"]
+    assert [r["member"] for r in res] == ["mine"] and spec in res[0]["physics"] and base in res[0]["physics"]
+    (rep,) = res[0]["repeats"]
+    assert set(rep["configs"]) == {"all-speculative", "all-baseline", "round-robin", "spillover@1", "balanced",
+                                   "balanced-again", "adaptive"}
+    assert all([r["completed"] for r in runs] == [4, 4] and not any(r["failed"] for r in runs)
+               for runs in rep["configs"].values())
+    assert [r["speculative_share"] for r in rep["configs"]["all-speculative"]] == [1.0, 1.0]
+    assert rep["rows"][0]["adaptive_luck"] is None and [len(c["runs"]) for c in rep["cold"]] == [1, 1]
+    assert "mine: adaptive >= 0.95" in (tmp_path / "mine.md").read_text()
