@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative", type=_url, metavar="URL",
                    help="with --baseline: judge this running pair instead of family members (e.g. `bench engines`)")
     p.add_argument("--baseline", type=_url, metavar="URL")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="passed to every router started (repeatable), e.g. --router-arg=--health-path=/openapi.json "
+                        "in front of llama-cpp-python")
     p.add_argument("--speedup", type=float, default=5.0)
     p.add_argument("--levels", type=int_list, default=int_list("1,2,4,8,16,32"), help="closed-loop levels")
     p.add_argument("--thresholds", type=int_list, default=int_list("1,2,4,8"), help="spillover thresholds scanned")

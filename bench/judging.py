@@ -66,7 +66,7 @@ class Judge:
     def router(self, group: procs.ProcGroup, policy: str, spec: bool, base: bool, threshold: int | None = None,
                extra: list[str] | None = None) -> str:
         r = group.add(procs.start_router([self.spec_url] if spec else [], [self.base_url] if base else [], policy,
-                                         threshold, extra=extra))
+                                         threshold, extra=[*(extra or []), *getattr(self.ns, "router_arg", [])]))
         run_async(wait_serving(r.url, proc=r.proc))
         return r.url
 

@@ -200,7 +200,8 @@ def test_judge_a_running_pair_end_to_end(tmp_path):
         spec, base = pair.urls
         rc = judge.main(["--speculative", spec, "--baseline", base, "--speedup", "20", "--levels", "1,2",
                          "--thresholds", "1", "--repeats", "1", "--cold-runs", "1", "--warmup-seconds", "0",
-                         "--min-requests", "4", "--max-tokens", "8", "--out", str(tmp_path), "--name", "mine"])
+                         "--min-requests", "4", "--max-tokens", "8", "--out", str(tmp_path), "--name", "mine",
+                         "--router-arg=--health-path=/v1/models"])
     assert rc == 0
     res = json.loads((tmp_path / "mine.json").read_text())["results"]
     assert [r["member"] for r in res] == ["mine"] and spec in res[0]["physics"] and base in res[0]["physics"]
@@ -212,3 +213,8 @@ def test_judge_a_running_pair_end_to_end(tmp_path):
     assert [r["speculative_share"] for r in rep["configs"]["all-speculative"]] == [1.0, 1.0]
     assert rep["rows"][0]["adaptive_luck"] is None and [len(c["runs"]) for c in rep["cold"]] == [1, 1]
     assert "mine: adaptive >= 0.95" in (tmp_path / "mine.md").read_text()
+    # --router-arg reaches the routers: one they refuse stops the judge with its one line (exit 2)
+    with procs.ProcGroup() as group:
+        spec, base = group.add(procs.start("family", ["bench", "family", "--member", "linear-12"], lines=2)).urls
+        assert judge.main(["--speculative", spec, "--baseline", base, "--levels", "1,2", "--repeats", "1",
+                           "--out", str(tmp_path), "--router-arg=--no-such-flag"]) == 2
