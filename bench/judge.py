@@ -82,7 +82,7 @@ def summary(res: dict) -> str:
     rows = [row for r in reps for row in r["rows"]]
     ad = sum(row["ratio"] >= BAR for row in rows)
     ctl = sum(control_vs_best(r, i) >= BAR for r in reps for i in range(len(levels)))
-    held = sum(all(r["rows"][i]["ratio"] >= BAR for r in res["repeats"]) for i in range(len(levels)))
+    held = sum(all(r["rows"][i]["ratio"] >= BAR for r in reps) for i in range(len(levels)))
     return (f"{res['member']}: adaptive >= {BAR} x best fixed in {ad} of {len(rows)} cells ({held} of {len(levels)}"
             f" levels in every repeat); the control (balanced again) in {ctl} of {len(rows)}.")
 

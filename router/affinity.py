@@ -185,7 +185,8 @@ class Affinity:
 
     # ---- learning (report_done / report_loads)
     def observe(self, obs: Observation, placement: Placement | None, generation: int = 0) -> None:
-        if (tokens := obs.tokens()) and obs.ok:
+        tokens = obs.tokens()
+        if tokens and obs.ok:
             self.output_tokens = _ewma(self.output_tokens, float(tokens))
         if placement is None or not obs.ok:
             return
@@ -208,7 +209,7 @@ class Affinity:
             wait = c.wait_s * ahead
             c.prefill_s = max(1e-7, _ewma(c.prefill_s, max(0.0, obs.ttft_s - wait) / uncached))
             c.samples += 1
-        if obs.ttft_s is not None and (tokens := obs.tokens()) and tokens > 1:
+        if obs.ttft_s is not None and tokens and tokens > 1:
             c.tpot_s = _ewma(c.tpot_s, (obs.duration_s - obs.ttft_s) / (tokens - 1))
             c.tpot_samples += 1
 
