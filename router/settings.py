@@ -110,7 +110,8 @@ class Settings(BaseSettings):
         "exact model, but marginal gains amplify the model's errors)")
     adaptive_forgetting: float = Field(
         0.99, gt=0.5, le=1.0, description="adaptive policy: weight kept by the past at each sample "
-        "(0.99: about the last 100 samples count; 1: never forget)")
+        "(0.99: about the last 100 samples count; 1: never forget); a server whose requests scatter widely "
+        "(spread above 0.3) is forgotten more slowly, up to 0.998 (docs/ROUTER.md)")
     adaptive_explore: float = Field(
         0.03, ge=0.0, le=0.5, description="adaptive policy: share of decisions that may go to the other pool "
         "to keep its model fresh, only where that costs little")

@@ -20,7 +20,12 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
-MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
+MIN_BAND_LEVEL = 3
+# Memory grows with the requests' own scatter: a mean of N samples scattering by s (relative) is known to about
+# s / sqrt(N), so a model forgets no faster than keeps its curve within MEMORY_TARGET (N = (s / target)^2 samples'
+# worth, the forgetting factor 1 - 1/N), up to MAX_FORGETTING. A quiet server keeps the configured forgetting.
+MEMORY_TARGET = 0.03
+MAX_FORGETTING = 0.998  # a band's own median centres the clipping from this many samples; before, the line does
 
 
 def band(n: float) -> int:
@@ -135,7 +140,7 @@ class SpeedModel:
 
     def fit(self) -> None:
         self._since_fit = 0
-        lam = self.forgetting
+        lam = self.memory()
         data: list[tuple[float, float]] = []
         ages: list[float] = []
         last = self.samples - 1
@@ -260,9 +265,15 @@ class SpeedModel:
             if self.prior is not None:
                 self.prior = (self.prior[0] * factor, self.prior[1] * factor)
 
+    def memory(self) -> float:
+        """The forgetting factor in use: the configured one, or slower where the requests scatter widely."""
+        if self.spread <= MEMORY_TARGET:
+            return self.forgetting
+        return max(self.forgetting, min(MAX_FORGETTING, 1.0 - (MEMORY_TARGET / self.spread) ** 2))
+
     def noise(self) -> float:
         """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
-        lam = self.forgetting
+        lam = self.memory()
         held = self.held()
         eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
