@@ -3,6 +3,7 @@ configuration, the closed-loop levels, the cold-start runs."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -214,3 +215,45 @@ class Judge:
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}
+
+
+def luck_slope(res: dict) -> tuple[float, float, float] | None:
+    """How much a configuration's tok/s moves with its luck, fitted on the run's own cells: log tok/s against
+    share x (luck - 1), within each configuration and level across the repeats (so routing and load drop out).
+    Returns (slope, scatter before, scatter after: sd of log tok/s around each cell's mean), or None where the
+    member draws no per-request acceptance or the run has one repeat."""
+    reps = res["repeats"]
+    if len(reps) < 2:
+        return None
+    xs, ys = [], []
+    for name in reps[0]["configs"]:
+        for i in range(len(reps[0]["levels"])):
+            figs = [r["configs"][name][i] for r in reps]
+            if any(f.get("luck") is None and f.get("speculative_share") for f in figs):
+                continue
+            pts = [(f["speculative_share"] * ((f.get("luck") or 1.0) - 1.0), math.log(figures.tput(f)))
+                   for f in figs if figures.tput(f) > 0]
+            if len(pts) < 2:
+                continue
+            mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+            xs += [p[0] - mx for p in pts]
+            ys += [p[1] - my for p in pts]
+    sxx = sum(x * x for x in xs)
+    if not xs or sxx <= 0:
+        return None
+    g = sum(x * y for x, y in zip(xs, ys, strict=True)) / sxx
+    before = math.sqrt(sum(y * y for y in ys) / len(ys))
+    after = math.sqrt(sum((y - g * x) ** 2 for x, y in zip(xs, ys, strict=True)) / len(ys))
+    return g, before, after
+
+
+def luck_adjusted(rep: dict, i: int, slope: float) -> float:
+    """Adaptive over the best fixed configuration at level i, each configuration's tok/s first taken to even
+    luck (divided by exp(slope x share x (luck - 1))): which prompts a routing happened to send to the
+    speculative server taken out, to the first order the run's own cells measure."""
+    def even(name: str) -> float:
+        f = rep["configs"][name][i]
+        return figures.tput(f) / math.exp(slope * f["speculative_share"] * ((f.get("luck") or 1.0) - 1.0))
+
+    best = max(even(rep["spillover_best"] if name == "spillover" else name) for name in FIXED)
+    return even("adaptive") / best if best else 0.0

@@ -173,6 +173,42 @@ def test_judge_summary_counts_adaptive_and_the_control_against_the_bar():
                             "the control (balanced again) in 3 of 4.")
 
 
+def test_judge_luck_slope_and_the_luck_adjusted_ratio():
+    """Repeats whose tok/s move only with luck (a configuration sending the harder prompts to the speculative
+    server serves less): the fitted slope is the one the figures were made with, the scatter it leaves is 0, and
+    the adjusted ratio compares the configurations at even luck."""
+    import math
+
+    from bench.judging import luck_adjusted, luck_slope
+
+    def fig(tput, share, luck):
+        return {"output_throughput": tput * math.exp(-0.8 * share * (luck - 1)), "speculative_share": share,
+                "luck": luck}
+
+    def rep(k):
+        lk = (0.9, 1.0, 1.1)[k]
+        # at even luck round-robin serves 100, adaptive 96; adaptive's prompts are the harder in repeat 3
+        return {"levels": [4], "spillover_best": "spillover@2", "configs": {
+            "all-speculative": [fig(80, 1.0, 1.0)], "all-baseline": [fig(70, 0.0, 1.0)],
+            "round-robin": [fig(100, 0.5, 2 - lk)], "spillover@2": [fig(90, 0.3, lk)],
+            "balanced": [fig(95, 0.5, lk)], "balanced-again": [fig(95, 0.5, lk)], "adaptive": [fig(96, 0.5, lk)]}}
+
+    res = {"repeats": [rep(k) for k in range(3)]}
+    slope, before, after = luck_slope(res)
+    assert slope == pytest.approx(-0.8) and before > 0.01 and after == pytest.approx(0.0, abs=1e-9)
+    for r in res["repeats"]:
+        assert luck_adjusted(r, 0, slope) == pytest.approx(0.96)
+    # measured, repeat 3: adaptive's hard prompts (1.1) against round-robin's easy ones (0.9)
+    third = res["repeats"][2]["configs"]
+    assert third["adaptive"][0]["output_throughput"] / third["round-robin"][0]["output_throughput"] < 0.9
+    # one repeat, or a member drawing no acceptance per request: no fit
+    assert luck_slope({"repeats": res["repeats"][:1]}) is None
+    for r in res["repeats"]:
+        for figs in r["configs"].values():
+            figs[0]["luck"] = None if figs[0]["speculative_share"] else figs[0]["luck"]
+    assert luck_slope(res) is None
+
+
 def test_judge_and_family_commands_refuse_bad_flags(capsys):
     from bench import familyserve, judge
 
