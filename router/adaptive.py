@@ -54,8 +54,6 @@ TIE_Z = 2.0
 MAX_TIE = 0.15
 SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier ties go to the steadier backend
 MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle samples; before, its pool's
-
-
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
 
 

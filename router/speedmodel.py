@@ -20,12 +20,12 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
-MIN_BAND_LEVEL = 3
+MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
 # Memory grows with the requests' own scatter: a mean of N samples scattering by s (relative) is known to about
 # s / sqrt(N), so a model forgets no faster than keeps its curve within MEMORY_TARGET (N = (s / target)^2 samples'
 # worth, the forgetting factor 1 - 1/N), up to MAX_FORGETTING. A quiet server keeps the configured forgetting.
 MEMORY_TARGET = 0.03
-MAX_FORGETTING = 0.998  # a band's own median centres the clipping from this many samples; before, the line does
+MAX_FORGETTING = 0.998
 
 
 def band(n: float) -> int:
