@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Until a model has seen this much, its figures are the prior's (or a neutral guess).
 NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
@@ -28,6 +28,9 @@ MEMORY_TARGET = 0.03
 MAX_FORGETTING = 0.998
 
 
+EDGES = (1.0, 1.5, 2.5, 3.5, 8.0, 16.0, 32.0, 64.0, math.inf)  # band k holds loads from EDGES[k] up to EDGES[k + 1]
+
+
 def band(n: float) -> int:
     """The load band of n running requests: one per request count below 4 (1 -> 0, 2 -> 1, 3 -> 2, to the
     nearest), then doubling: 4-7 -> 3, 8-15 -> 4, ..., 32-63 -> 6, 64+ -> 7.
@@ -50,20 +53,49 @@ class Params:
     alpha: float  # seconds per token of a request running alone
     beta: float  # seconds per token added by each other running request
     max_running: int | None = None
-    # (band, factor): measured token time over the line's, in the load bands where the model has samples
-    shape: tuple[tuple[int, float], ...] = ()
+    # (band, factor, load): measured token time over the line's, in the load bands where the model has samples,
+    # and the mean load of those samples (where the factor holds), in band order
+    shape: tuple[tuple[int, float, float], ...] = ()
+
+    # (n, token time) at each shaped band's load, never falling: computed once from alpha, beta and shape.
+    knots: tuple[tuple[float, float], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.shape:
+            knots, top = [], 0.0
+            for _, f, at in self.shape:
+                top = max(top, (self.alpha + self.beta * at) * f)
+                knots.append((at, top))
+            object.__setattr__(self, "knots", tuple(knots))
 
     def running(self, n: float) -> float:
         return n if self.max_running is None else min(n, float(self.max_running))
 
     def token_time(self, n: float) -> float:
-        t = self.alpha + self.beta * max(n, 1.0)
-        if self.shape:
-            k = band(n)
-            for b, f in self.shape:
-                if b == k:
-                    return t * f
-        return t
+        """Seconds per token of each of n running requests. With a shape: through each measured band's point
+        (its samples' mean load), straight between two of them, never falling as n rises (one more request
+        running makes no request faster; a factor constant over each band made the curve a sawtooth: saturating
+        baselines were learned faster at 16 running than at 12). Outside the points: the line times the nearest
+        band's factor within that band, the line beyond it, held so that it never falls."""
+        n = max(n, 1.0)
+        t = self.alpha + self.beta * n
+        if not self.shape:
+            return t
+        knots = self.knots
+        if n >= knots[-1][0]:
+            k, f, _ = self.shape[-1]
+            upper = EDGES[k + 1]
+            return max(knots[-1][1], (self.alpha + self.beta * min(n, upper)) * f, t if n >= upper else 0.0)
+        if n <= knots[0][0]:
+            k, f, _ = self.shape[0]
+            lower = EDGES[k]
+            return t * f if n >= lower else min(t, (self.alpha + self.beta * lower) * f)
+        lo_n, lo_t = knots[0]
+        for hi_n, hi_t in knots[1:]:
+            if n <= hi_n:
+                return lo_t + (hi_t - lo_t) * (n - lo_n) / (hi_n - lo_n)
+            lo_n, lo_t = hi_n, hi_t
+        return knots[-1][1]  # not reached: n < the last centre
 
     def throughput(self, n: float) -> float:
         """Output tok/s of the server with n requests in flight."""
@@ -223,8 +255,11 @@ class SpeedModel:
         the faded weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
         per: dict[int, list[tuple[float, float]]] = {}
+        loads: dict[int, float] = {}  # per band: the age-weighted sum of its samples' loads
         for (n, y), age in zip(data, ages, strict=True):
-            per.setdefault(band(n), []).append((y / (a + b * n) - 1.0, age))
+            k = band(n)
+            per.setdefault(k, []).append((y / (a + b * n) - 1.0, age))
+            loads[k] = loads.get(k, 0.0) + age * n
         self.counts = {k: len(v) for k, v in per.items()}
         centres = {k: sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
                    for k, rs in per.items()}
@@ -233,7 +268,9 @@ class SpeedModel:
         noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
         lim = HUBER * noise
         shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2))
-        got = {}
+        got: dict[int, float] = {}
+        effs: dict[int, float] = {}
+        at: dict[int, float] = {}  # where in the band its factor is measured: its samples' mean load
         for k, rs in per.items():
             centre = centres[k]
             w = sum(age for _, age in rs)
@@ -242,18 +279,14 @@ class SpeedModel:
                 sr = sum(age * min(max(r, centre - lim), centre + lim) for r, age in rs)
                 eff = w * w / w2
                 got[k] = 1.0 + (sr / w) * eff / (eff + shrink)
-        # A band between two measured ones takes the factor between theirs, not the line's: a warm-up at 1, 5,
-        # 30 and 100 clients left the TP8 baseline without samples at 8-15 running, where the line (bent 3-11%
-        # either side by the measured bands) was 9% fast, and 10 clients kept one request too many there.
-        shape = []
-        ks = sorted(got)
-        for lo, hi in zip(ks, ks[1:], strict=False):
-            shape.append((lo, got[lo]))
-            for k in range(lo + 1, hi):
-                shape.append((k, got[lo] + (got[hi] - got[lo]) * (k - lo) / (hi - lo)))
-        if ks:
-            shape.append((ks[-1], got[ks[-1]]))
-        self.shape = tuple(shape)
+                effs[k] = eff
+                at[k] = min(max(loads[k] / w, EDGES[k]), EDGES[k + 1])
+        got = monotone(got, effs, at, a, b)
+        # A band between two measured ones is on the straight line between their points (Params.token_time), not
+        # on the fitted line: a warm-up at 1, 5, 30 and 100 clients left the TP8 baseline without samples at 8-15
+        # running, where the line (bent 3-11% either side by the measured bands) was 9% fast, and 10 clients kept
+        # one request too many there.
+        self.shape = tuple((k, got[k], at[k]) for k in sorted(got))
 
     def rescale(self, factor: float) -> None:
         """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples
@@ -277,6 +310,30 @@ class SpeedModel:
         held = self.held()
         eff = min(held, (1 + lam) / (1 - lam) if lam < 1 else held)
         return self.scale / math.sqrt(eff) if eff > 0 else 0.0
+
+
+def monotone(factors: dict[int, float], weights: dict[int, float], at: dict[int, float], a: float,
+             b: float) -> dict[int, float]:
+    """The bands' factors made to give a token time that never falls from one band's centre to the next: the
+    weighted least-squares fit under that order (pool-adjacent violators, each band weighing its effective
+    sample count), so two bands that disagree meet where their samples put them rather than the later one
+    being raised to the earlier. Unchanged where the order already holds."""
+    ks = sorted(factors)
+    blocks: list[list[float]] = []  # [weighted sum of token times, weight, bands in the block]
+    for k in ks:
+        t, w = (a + b * at[k]) * factors[k], max(weights.get(k, 0.0), 1e-9)
+        blocks.append([t * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, w, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w
+            blocks[-1][2] += c
+    out, i = {}, 0
+    for s, w, c in blocks:
+        for k in ks[i:i + c]:
+            out[k] = factors[k] if c == 1 else (s / w) / (a + b * at[k])
+        i += c
+    return out
 
 
 PREFILL_MIN_SPREAD = 0.05  # uncached prompt lengths varying less than this (relative sd) leave the slope unknown
