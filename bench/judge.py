@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import procs
+from bench import procs, routesim
 from bench.cli import BARE_TARGET, ArgError, NotServing, fail, int_list, parser, target
 from bench.family import MEMBERS
 from bench.judging import BAR, Judge, luck_adjusted, luck_slope
@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--name", default="judge")
+    p.add_argument("--virtual", type=int, default=0, metavar="SEEDS",
+                   help="judge on a virtual clock instead (bench/routesim.py: the router's own policies in front of "
+                        "the members' engines in one process, no servers, no host scatter), over SEEDS seeds")
     p.add_argument("--render", nargs="+", type=Path, metavar="JSON",
                    help="print one markdown report of saved runs (their JSON files) and run nothing")
     try:
@@ -140,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("judge", "--speedup > 0, --repeats/--rounds/--cold-runs >= 1, 0 <= --warmup-seconds <= 30")
     if (ns.speculative is None) != (ns.baseline is None) or (ns.speculative and ns.member):
         return fail("judge", "--speculative and --baseline go together, and not with --member")
+    if ns.virtual < 0 or (ns.virtual and ns.speculative):
+        return fail("judge", "--virtual SEEDS >= 1 judges family members only (not a running pair)")
     if ns.render:
         try:
             docs = [json.loads(f.read_text(encoding="utf-8")) for f in ns.render]
@@ -148,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             return fail("judge", f"cannot render: {exc}")
         return 0
     cmd = "python -m bench judge " + " ".join(argv if argv is not None else sys.argv[1:])
+    ns.out.mkdir(parents=True, exist_ok=True)
+    if ns.virtual:
+        return virtual(ns, cmd)
     judge = Judge(ns)
     results = []
-    ns.out.mkdir(parents=True, exist_ok=True)
     try:
         pairs = [(ns.name, (ns.speculative, ns.baseline))] if ns.speculative else [(m, None) for m in ns.member or MEMBERS]
         for name, urls in pairs:
@@ -162,6 +169,25 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchInputError, procs.ProcError, NotServing) as exc:
         return fail("judge", exc)
     print(render(results, cmd))
+    return 0
+
+
+def virtual(ns, cmd: str) -> int:
+    """--virtual: every member on the virtual clock, `--virtual` seeds each, from --seed on."""
+    results = []
+    try:
+        for name in ns.member or MEMBERS:
+            results.append(routesim.judge_member(
+                MEMBERS[name], ns.levels, ns.virtual, seed=ns.seed, min_requests=ns.min_requests, rounds=ns.rounds,
+                warmup_s=ns.warmup_seconds, cold_runs=ns.cold_runs, thresholds=tuple(ns.thresholds),
+                max_tokens=ns.max_tokens))
+            text = routesim.render(results, cmd)
+            (ns.out / f"{ns.name}.json").write_text(json.dumps({"command": cmd, "virtual": ns.virtual,
+                                                                "results": results}, indent=1), encoding="utf-8")
+            (ns.out / f"{ns.name}.md").write_text(text, encoding="utf-8")
+    except BenchInputError as exc:
+        return fail("judge", exc)
+    print(routesim.render(results, cmd))
     return 0
 
 

@@ -37,6 +37,12 @@ EXPLORE_FLOOR = 0.7  # exploration never picks a backend scoring below this frac
 ACCEPT_JUMP = 0.2
 ACCEPT_POLLS = 2
 ACCEPT_MIN_RUNNING = 4
+# ... and beyond ACCEPT_Z times what the running mix alone moves it by: the requests' own scatter (the model's
+# spread) over the square root of the requests running. A server drawing acceptance per prompt (1 to 5 tokens a
+# step) reports an average of 4-8 requests' draws that swings by 20-30% with the mix, and each swing rescaled the
+# model as a drift: prefill-long's speculative model stood at 2.7x its token time after a warm-up (the virtual
+# judge, docs/BENCH.md) and its light load went to the baseline.
+ACCEPT_Z = 3.0
 # Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
 # LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
 # while it could still be the faster: its speed TIE_Z standard errors up at least the pick's TIE_Z down.
@@ -51,6 +57,11 @@ NEAR_TIE = 0.03  # "latency": per-request speeds this close are a tie the models
 FRESH = 10  # random exploration only of a pool not sent a request in this many decisions
 # The near tie widens by TIE_Z standard errors of the two predictions (capped at MAX_TIE).
 TIE_Z = 2.0
+# Whether a pool could still be the faster is judged at Student's t for the samples it holds there (two-sided 95%,
+# by degrees of freedom; TIE_Z from 10 on): a scatter estimated from a few samples is itself unsure, and one
+# sample has none. At z = 2, one request of prefill-long's speculative server that drew 1 token a step (2.7x its
+# mean token time) ruled the server out at one client for good: 0.75x of all-speculative from a cold start.
+T95 = (math.inf, 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26)
 MAX_TIE = 0.15
 SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier ties go to the steadier backend
 MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle samples; before, its pool's
@@ -118,6 +129,7 @@ class Adaptive:
         self.priors = dict(priors or {})
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
+        self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
         self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
@@ -206,14 +218,25 @@ class Adaptive:
         if abs(m.spread - self.spreads.get(key, 0.0)) > SPREAD_BAND:
             self.spreads[key] = m.spread
         new, old = m.params(), self.published[key]
-        # Follow the fit only when it moved by more than its own wobble (3 sigma) and the deadband.
+        # Follow the fit only when it moved by more than its own wobble (3 sigma) and the deadband, or once it
+        # rests on twice the samples the published copy did: a copy made from one or two requests is not kept
+        # against a fit of many (prefill-long's speculative server, whose requests scatter by 60%, kept the copy
+        # of its first request, one that drew 1 token a step, for a whole level: its 3-sigma band was 48%).
+        # Doubling is rare enough (log2 of the samples) not to flap.
+        if m.samples >= 2 * self.published_at.get(key, 0):
+            self._set(key, new, m)
+            return
         band = max(self.deadband, 3 * m.noise())
         for at in (1.0, max(1.0, n)):
             if abs(new.throughput(at) - old.throughput(at)) > band * old.throughput(at):
-                self.published[key] = new
+                self._set(key, new, m)
                 return
         if new.max_running != old.max_running:
-            self.published[key] = new
+            self._set(key, new, m)
+
+    def _set(self, key: str, p: Params, m: SpeedModel) -> None:
+        self.published[key] = p
+        self.published_at[key] = m.samples
 
     def observe(self, obs: Observation) -> None:
         """One finished exchange: its seconds per token, against the requests running then; its prefill."""
@@ -265,7 +288,7 @@ class Adaptive:
             anchor = self.anchor.get(url)
             if anchor is None:
                 self.anchor[url] = figs.accept_length
-            elif abs(figs.accept_length - anchor) <= ACCEPT_JUMP * anchor:
+            elif abs(figs.accept_length - anchor) <= self.accept_jump(url, pool, figs.running) * anchor:
                 self.beyond[url] = 0
             elif (beyond := self.beyond.get(url, 0) + 1) < ACCEPT_POLLS:
                 self.beyond[url] = beyond
@@ -275,7 +298,7 @@ class Adaptive:
                 for key in (url, pool):
                     m = self.model(key, pool)
                     m.rescale(anchor / figs.accept_length)
-                    self.published[key] = m.params()
+                    self._set(key, m.params(), m)
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
         # the steps other requests' prefills take, are not in it), and its clock need not be the router's (a
@@ -283,6 +306,12 @@ class Adaptive:
         # drifted with the model it was checked against: the seed speculative server was judged 1.8x faster
         # alone than it is. The router's own timings are the samples; /v1/loads gives the running counts (the
         # load signal), max_running_requests (the queue) and the accept length (a drift, at once).
+
+    def accept_jump(self, url: str, pool: str, running: int) -> float:
+        """How far (relative) the reported accept length must move to be a change of the server's own: ACCEPT_JUMP,
+        or ACCEPT_Z times what its running mix alone moves it by, whichever is larger."""
+        spread = self.spreads.get(url, self.spreads.get(pool, 0.0))
+        return max(ACCEPT_JUMP, ACCEPT_Z * spread / math.sqrt(max(running, 1)))
 
     # ---- decisions
     def score(self, b: BackendView) -> tuple[float, float]:
@@ -320,7 +349,7 @@ class Adaptive:
               and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])):
             spec_first = s_score[1] > b_score[1]
         elif (self.objective == "latency"
-              and abs(s_score[0] - b_score[0]) <= NEAR_TIE * max(s_score[0], b_score[0])
+              and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])
               and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b))) > SPREAD_BAND):
             spec_first = s_spread < b_spread
         else:
@@ -350,8 +379,15 @@ class Adaptive:
 
     def plausible(self, alt: BackendView, alt_speed: float, pick: BackendView, pick_speed: float) -> bool:
         """Could `alt` still be the faster for this request, given how unsure both models are there? A difference
-        larger than the two models' uncertainty is acted on: exploring it again costs its whole size."""
-        return alt_speed * (1 + TIE_Z * self.stderr(alt)) >= pick_speed * (1 - TIE_Z * self.stderr(pick))
+        larger than the two models' uncertainty is acted on: exploring it again costs its whole size. The
+        uncertainty of each is its standard error times Student's t for the samples it holds at that load."""
+        return (alt_speed * (1 + self.t95(alt) * self.stderr(alt))
+                >= pick_speed * (1 - self.t95(pick) * self.stderr(pick)))
+
+    def t95(self, b: BackendView) -> float:
+        key = self._key(b)
+        held = 0 if key is None else self.models[key].band_samples(b.load_estimate + 1)
+        return T95[held - 1] if 1 <= held <= len(T95) else (math.inf if held < 1 else TIE_Z)
 
     def _send(self, b: BackendView, reason: str) -> Decision:
         self.last_sent[b.pool] = self.decisions

@@ -20,6 +20,7 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
+MIN_LOAD_VARIANCE = 0.25  # (requests running)^2: below it, one load level (see fit)
 MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
 # Memory grows with the requests' own scatter: a mean of N samples scattering by s (relative) is known to about
 # s / sqrt(N), so a model forgets no faster than keeps its curve within MEMORY_TARGET (N = (s / target)^2 samples'
@@ -217,7 +218,10 @@ class SpeedModel:
                     t0 += w * yp
                     t1 += w * n * yp
             det = s00 * s11 - s01 * s01
-            if det > 1e-9 * s00 * s11 and det > 0:
+            # The slope is identified only where the samples' loads differ by about a request (variance
+            # MIN_LOAD_VARIANCE): a prefill-long warm-up left the speculative model 30 samples at 1 running and
+            # two at 1.13, whose slope (50 ms a token per request) shut that server out of every busier load.
+            if det > 1e-9 * s00 * s11 and det > 0 and det >= MIN_LOAD_VARIANCE * s00 * s00:
                 a, b = (s11 * t0 - s01 * t1) / det, (s00 * t1 - s01 * t0) / det
             else:
                 # One load level only: the slope is not identified; keep the prior's (or the neutral) shape,
