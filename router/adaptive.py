@@ -64,6 +64,9 @@ TIE_Z = 2.0
 T95 = (math.inf, 12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26)
 MAX_TIE = 0.15
 SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier ties go to the steadier backend
+# ... when the two spreads differ by more than SPREAD_BAND plus this share of the larger: a spread measured on
+# ~100 samples is itself known to ~12%, and two servers that scatter alike (30% each) are not told apart by it.
+SPREAD_APART = 0.25
 MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle samples; before, its pool's
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
 
@@ -350,7 +353,8 @@ class Adaptive:
             spec_first = s_score[1] > b_score[1]
         elif (self.objective == "latency"
               and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])
-              and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b))) > SPREAD_BAND):
+              and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b)))
+              > SPREAD_BAND + SPREAD_APART * max(s_spread, b_spread)):
             spec_first = s_spread < b_spread
         else:
             spec_first = s_score > b_score
