@@ -330,6 +330,22 @@ class Engine:
 
 # ---- HTTP ----------------------------------------------------------------------------------------
 
+def loads_document(e: Engine, spec: bool = True) -> dict:
+    """The engine's /v1/loads document (its `loads` list; `spec`: with the speculative figures, as
+    include=spec or all asks): what the server answers, and what bench.routesim hands the router's parser."""
+    p = e.p
+    load = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
+            "num_used_tokens": sum(r.prompt_tokens + r.gen for r in e.running), "max_total_num_tokens": 1 << 20,
+            "max_running_requests": p.max_running, "token_usage": 0.0,
+            "gen_throughput": round(e.gen_throughput(), 2), "cache_hit_rate": 0.0,
+            "utilization": min(1.0, len(e.running) / p.max_running)}
+    if p.speculative and spec:
+        length = e.accept_length()
+        load["speculative"] = {"accept_length": round(length, 4),
+                               "accept_rate": round((length - 1) / max(p.max_accept - 1, 1), 4)}
+    return {"loads": [load]}
+
+
 def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"object": "error", "message": message, "type": "BadRequestError", "param": None,
                               "code": status}, status=status)
@@ -496,18 +512,9 @@ class FamilyServer:
              "parent": None, "max_model_len": 131072}]})
 
     async def loads(self, request: web.Request) -> web.Response:
-        e, p = self.engine, self.physics
-        load = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
-                "num_used_tokens": sum(r.prompt_tokens + r.gen for r in e.running), "max_total_num_tokens": 1 << 20,
-                "max_running_requests": p.max_running, "token_usage": 0.0,
-                "gen_throughput": round(e.gen_throughput(), 2), "cache_hit_rate": 0.0,
-                "utilization": min(1.0, len(e.running) / p.max_running)}
         include = request.query.get("include", "all")
-        if p.speculative and ("spec" in include or "all" in include):
-            length = e.accept_length()
-            load["speculative"] = {"accept_length": round(length, 4),
-                                   "accept_rate": round((length - 1) / max(p.max_accept - 1, 1), 4)}
-        return web.json_response({"timestamp": time.time(), "version": "0.5.23", "loads": [load]})
+        doc = loads_document(self.engine, "spec" in include or "all" in include)
+        return web.json_response({"timestamp": time.time(), "version": "0.5.23", **doc})
 
     async def server_info(self, request: web.Request) -> web.Response:
         state: dict = {"last_gen_throughput": self.engine.gen_throughput(),

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def virtual(ns, cmd: str) -> int:
     """--virtual: every member on the virtual clock, `--virtual` seeds each, from --seed on."""
-    results = []
+    results, text = [], ""
     try:
         for name in ns.member or MEMBERS:
             results.append(routesim.judge_member(
@@ -187,7 +187,7 @@ def virtual(ns, cmd: str) -> int:
             (ns.out / f"{ns.name}.md").write_text(text, encoding="utf-8")
     except BenchInputError as exc:
         return fail("judge", exc)
-    print(routesim.render(results, cmd))
+    print(text)
     return 0
 
 

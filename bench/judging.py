@@ -132,9 +132,7 @@ class Judge:
         configuration and adaptive against it."""
         cfgs, ns = out["configs"], self.ns
         spills = [f"spillover@{t}" for t in ns.thresholds]
-        n = len(ns.levels)
-        best_each = [max(figures.tput(cfgs[s][i]) for s in spills) for i in range(n)]
-        best_spill = max(spills, key=lambda s: sum(figures.tput(cfgs[s][i]) / best_each[i] for i in range(n)))
+        best_each, best_spill = best_threshold({s: [figures.tput(f) for f in cfgs[s]] for s in spills})
         out["spillover_best"] = best_spill
         rows = []
         for i, c in enumerate(ns.levels):
@@ -215,6 +213,15 @@ class Judge:
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}
+
+
+def best_threshold(tputs: dict[str, list[float]]) -> tuple[list[float], str]:
+    """Spillover at each scanned threshold, tok/s per level -> (the best of them at each level, the one threshold
+    best over all the levels: the highest sum of its tok/s over each level's best, what a user would pin)."""
+    names = list(tputs)
+    n = len(tputs[names[0]])
+    best_each = [max(tputs[s][i] for s in names) for i in range(n)]
+    return best_each, max(names, key=lambda s: sum(tputs[s][i] / best_each[i] for i in range(n)))
 
 
 def luck_slope(res: dict) -> tuple[float, float, float] | None:

@@ -12,13 +12,16 @@ proxy's own latency, a poll that lands late; `bench judge` measures those.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import random
 import selectors
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.family import Engine, Member, Physics, Req, _prompt_tokens
+from bench.family import Engine, Member, Req, _prompt_tokens, loads_document
+from bench.judging import best_threshold
 from bench.load import build_body, load_prompts
 from router import pools as pools_mod
 from router.app import make_policy
@@ -71,15 +74,6 @@ def run_virtual(coro):
         loop.close()
 
 
-def loads_doc(e: Engine, p: Physics) -> dict:
-    """What the family server's /v1/loads answers (bench.family.FamilyServer.loads), as the router parses it."""
-    load = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
-            "max_running_requests": p.max_running, "gen_throughput": e.gen_throughput()}
-    if p.speculative:
-        load["speculative"] = {"accept_length": e.accept_length()}
-    return {"loads": [load]}
-
-
 @dataclass
 class Level:
     clients: int
@@ -98,19 +92,16 @@ class Bench:
         self.bodies = []
         for p in load_prompts(prompts):
             raw = build_body(p, "default", max_tokens, None)
-            chat = p.messages is not None
-            body = {"messages": p.messages} if chat else {"prompt": p.prompt}
-            self.bodies.append((zlib.crc32(raw), _prompt_tokens(body, chat)))
+            self.bodies.append((zlib.crc32(raw), _prompt_tokens(json.loads(raw), p.messages is not None)))
 
     async def run(self, policy: Policy, levels: list[tuple[int, int]], offset: int = 0,
-                  warmup: list[tuple[int, float]] | None = None, pools: tuple[bool, bool] = (True, True),
-                  poll: bool = True) -> list[Level]:
+                  warmup: list[tuple[int, float]] | None = None, pools: tuple[bool, bool] = (True, True)
+                  ) -> list[Level]:
         """Closed-loop levels (clients, requests), one after the other on one pair of engines and one policy;
         before them, `warmup` (clients, seconds) with no figures kept. Request i of a level carries body
         offset + i, as the judge's load generator sends them."""
         m = self.member
         engines = {SPEC: Engine(m.speculative, 1.0, self.seed), BASE: Engine(m.baseline, 1.0, self.seed)}
-        physics = {SPEC: m.speculative, BASE: m.baseline}
         spec_urls, base_urls = ([SPEC] if pools[0] else []), ([BASE] if pools[1] else [])
         pl = Pools(spec_urls, base_urls, policy=policy, rng=random.Random(self.seed))
         for b in pl.backends:
@@ -122,7 +113,7 @@ class Bench:
         async def poller() -> None:
             while True:
                 for b in pl.backends:
-                    figs = parse_figures(loads_doc(engines[b.url], physics[b.url]))
+                    figs = parse_figures(loads_document(engines[b.url]))
                     b.report(None if figs is None else figs.running + figs.waiting)
                     if figs is not None:
                         pl.report_loads(b, figs)
@@ -136,8 +127,8 @@ class Bench:
             lease, _ = got
             b = lease.backend
             at_start, t0 = b.inflight, loop.time()
-            e, p = engines[b.url], physics[b.url]
-            r = Req(self.max_tokens, p.prompt_tokens or pt)
+            e = engines[b.url]
+            r = Req(self.max_tokens, e.p.prompt_tokens or pt)
             e.submit(r, key)
             while not r.done:
                 await r.event.wait()
@@ -153,7 +144,7 @@ class Bench:
 
         async def level(clients: int, requests: int | None, seconds: float | None, start: int) -> list:
             out: list = []
-            counter = iter(range(10 ** 9))
+            counter = itertools.count()
             t0 = loop.time()
 
             async def client() -> None:
@@ -168,7 +159,7 @@ class Bench:
             await asyncio.gather(*(client() for _ in range(clients)))
             return out
 
-        task = loop.create_task(poller()) if poll else None
+        task = loop.create_task(poller())
         try:
             for c, s in warmup or []:
                 await level(c, None, s, offset)
@@ -180,8 +171,7 @@ class Bench:
                                  sum(r[3] == "speculative" for r in recs) / len(recs)))
             return got
         finally:
-            if task is not None:
-                task.cancel()
+            task.cancel()
             for e in engines.values():
                 await e.stop()
 
@@ -222,9 +212,7 @@ def judge(member: Member, levels: list[int], *, seed: int = 0, offset: int = 0, 
     runs["balanced"] = go(build("balanced", curves=curves))
     warm = [(c, warmup_s / len(levels)) for c in levels] if warmup_s > 0 else None
     runs["adaptive"] = go(make(), warmup=warm)
-    spills = [f"spillover@{t}" for t in thresholds]
-    best_each = [max(runs[s][i].tok_s for s in spills) for i in range(len(levels))]
-    best_spill = max(spills, key=lambda s: sum(runs[s][i].tok_s / best_each[i] for i in range(len(levels))))
+    _, best_spill = best_threshold({f"spillover@{t}": [x.tok_s for x in runs[f"spillover@{t}"]] for t in thresholds})
     rows = []
     for i, (c, n) in enumerate(plan):
         fixed = {name: runs[best_spill if name == "spillover" else name][i] for name in FIXED}

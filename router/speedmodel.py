@@ -65,9 +65,12 @@ class Params:
         if self.shape:
             knots, top = [], 0.0
             for _, f, at in self.shape:
-                top = max(top, (self.alpha + self.beta * at) * f)
+                top = max(top, self.line(at) * f)
                 knots.append((at, top))
             object.__setattr__(self, "knots", tuple(knots))
+
+    def line(self, n: float) -> float:
+        return self.alpha + self.beta * n
 
     def running(self, n: float) -> float:
         return n if self.max_running is None else min(n, float(self.max_running))
@@ -79,18 +82,18 @@ class Params:
         baselines were learned faster at 16 running than at 12). Outside the points: the line times the nearest
         band's factor within that band, the line beyond it, held so that it never falls."""
         n = max(n, 1.0)
-        t = self.alpha + self.beta * n
+        t = self.line(n)
         if not self.shape:
             return t
         knots = self.knots
         if n >= knots[-1][0]:
             k, f, _ = self.shape[-1]
             upper = EDGES[k + 1]
-            return max(knots[-1][1], (self.alpha + self.beta * min(n, upper)) * f, t if n >= upper else 0.0)
+            return max(knots[-1][1], self.line(min(n, upper)) * f, t if n >= upper else 0.0)
         if n <= knots[0][0]:
             k, f, _ = self.shape[0]
             lower = EDGES[k]
-            return t * f if n >= lower else min(t, (self.alpha + self.beta * lower) * f)
+            return t * f if n >= lower else min(t, self.line(lower) * f)
         lo_n, lo_t = knots[0]
         for hi_n, hi_t in knots[1:]:
             if n <= hi_n:
