@@ -879,3 +879,12 @@ def test_a_busy_tie_within_the_models_uncertainty_goes_to_the_steadier_server():
     assert decide(near, busy, None, rng).pool == "baseline"
     apart = taught(0.7)
     assert decide(apart, busy, None, rng).pool == "speculative"
+    # The baseline full (its max_running_requests reached): the request would wait there, a wait whose scatter
+    # no spread measures, so it is no steadier; the faster mean takes it.
+    slower = taught(1.06)
+    assert decide(slower, busy, None, rng).pool == "baseline"
+    slower.observe_loads(B1, "baseline", LoadFigures(10, 0, None, None, 10))
+    assert slower.queues(busy.baseline[0]) and not slower.queues(busy.speculative[0])
+    s_speed, b_speed = slower.score(busy.speculative[0])[0], slower.score(busy.baseline[0])[0]
+    assert s_speed > b_speed and s_speed - b_speed <= slower.tie(busy.speculative[0], busy.baseline[0]) * s_speed
+    assert decide(slower, busy, None, rng).pool == "speculative"
