@@ -43,6 +43,13 @@ ACCEPT_MIN_RUNNING = 4
 # model as a drift: prefill-long's speculative model stood at 2.7x its token time after a warm-up (the virtual
 # judge, docs/BENCH.md) and its light load went to the baseline.
 ACCEPT_Z = 3.0
+# The figure a jump is judged against (the anchor) is the mean of the first ANCHOR_POLLS figures from a server
+# running at least ACCEPT_MIN_RUNNING (no jump is judged before), then follows the figures within the jump by
+# 1/ANCHOR_POLLS a poll; their own scatter around it (relative sd) times ACCEPT_Z is a jump's floor too. One
+# poll as the anchor, taken before the model had samples to measure its spread, rescaled prefill-long's
+# speculative model 1.7x fast (3 of 10 virtual seeds 1.5-1.8x off, docs/BENCH.md "s32") when the next figures
+# came in 40% higher, and a scattered server's long memory kept it there for the whole judge.
+ANCHOR_POLLS = 10
 # Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
 # LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
 # while it could still be the faster: its speed TIE_Z standard errors up at least the pick's TIE_Z down.
@@ -137,6 +144,8 @@ class Adaptive:
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
+        self.polls: dict[str, int] = {}  # figures folded into each anchor since it was (re)set, up to ANCHOR_POLLS
+        self.accept_dev: dict[str, float] = {}  # mean squared relative deviation of the figures from the anchor
         self.prefill: dict[str, PrefillModel] = {}  # by pool name and by backend URL
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
         self.finished = 0
@@ -288,16 +297,14 @@ class Adaptive:
             # jitters (a window average; idle and busy report differently) must not walk the model away in
             # sub-threshold steps, and A -> B -> A must come back to exactly where it was. Compared with the
             # last report instead, a compare run walked both models 5x off within minutes.
-            anchor = self.anchor.get(url)
-            if anchor is None:
-                self.anchor[url] = figs.accept_length
-            elif abs(figs.accept_length - anchor) <= self.accept_jump(url, pool, figs.running) * anchor:
-                self.beyond[url] = 0
+            anchor, x, k = self.anchor.get(url), figs.accept_length, self.polls.get(url, 0)
+            if anchor is None or k < ANCHOR_POLLS or abs(x - anchor) <= self.accept_jump(url, pool, figs.running) * anchor:
+                self._fold_accept(url, x, figs.running)
             elif (beyond := self.beyond.get(url, 0) + 1) < ACCEPT_POLLS:
                 self.beyond[url] = beyond
             else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
-                self.anchor[url], self.beyond[url] = figs.accept_length, 0
+                self.anchor[url], self.beyond[url], self.polls[url], self.accept_dev[url] = x, 0, 1, 0.0
                 for key in (url, pool):
                     m = self.model(key, pool)
                     m.rescale(anchor / figs.accept_length)
@@ -310,10 +317,23 @@ class Adaptive:
         # alone than it is. The router's own timings are the samples; /v1/loads gives the running counts (the
         # load signal), max_running_requests (the queue) and the accept length (a drift, at once).
 
+    def _fold_accept(self, url: str, x: float, running: int) -> None:
+        """One figure within the jump: the anchor is the mean of the first ANCHOR_POLLS, then moves 1/ANCHOR_POLLS
+        toward each; so does the figures' mean squared relative deviation from it, times the requests running (a
+        mean of more requests' draws scatters less: per request, as the spread term)."""
+        self.beyond[url] = 0
+        k = self.polls[url] = min(self.polls.get(url, 0) + 1, ANCHOR_POLLS)
+        anchor = self.anchor.get(url, x)
+        anchor += (x - anchor) / k
+        self.anchor[url] = anchor
+        dev = self.accept_dev.get(url, 0.0)
+        self.accept_dev[url] = dev + ((x / anchor - 1.0) ** 2 * running - dev) / k
+
     def accept_jump(self, url: str, pool: str, running: int) -> float:
         """How far (relative) the reported accept length must move to be a change of the server's own: ACCEPT_JUMP,
-        or ACCEPT_Z times what its running mix alone moves it by, whichever is larger."""
-        spread = self.spreads.get(url, self.spreads.get(pool, 0.0))
+        or ACCEPT_Z times what its running mix alone moves it by (the model's spread, or the figures' own scatter
+        around the anchor, per request), over the square root of the requests running, whichever is largest."""
+        spread = max(self.spreads.get(url, self.spreads.get(pool, 0.0)), math.sqrt(self.accept_dev.get(url, 0.0)))
         return max(ACCEPT_JUMP, ACCEPT_Z * spread / math.sqrt(max(running, 1)))
 
     # ---- decisions
