@@ -45,10 +45,10 @@ ACCEPT_MIN_RUNNING = 4
 ACCEPT_Z = 3.0
 # The figure a jump is judged against (the anchor) is the mean of the first ANCHOR_POLLS figures from a server
 # running at least ACCEPT_MIN_RUNNING (no jump is judged before), then follows the figures within the jump by
-# 1/ANCHOR_POLLS a poll; their own scatter around it (relative sd) times ACCEPT_Z is a jump's floor too. One
+# 1/ANCHOR_POLLS a poll; their own scatter around it (per request, as the spread) is a jump's floor too. One
 # poll as the anchor, taken before the model had samples to measure its spread, rescaled prefill-long's
-# speculative model 1.7x fast (3 of 10 virtual seeds 1.5-1.8x off, docs/BENCH.md "s32") when the next figures
-# came in 40% higher, and a scattered server's long memory kept it there for the whole judge.
+# speculative model 1.7x fast when the next figures came in 40% higher (1 of 4 virtual seeds, 1.7-1.8x off
+# after a judge run: docs/BENCH.md "s32"), and a scattered server's long memory kept it there.
 ANCHOR_POLLS = 10
 # Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
 # LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
