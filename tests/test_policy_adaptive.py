@@ -888,3 +888,25 @@ def test_a_busy_tie_within_the_models_uncertainty_goes_to_the_steadier_server():
     s_speed, b_speed = slower.score(busy.speculative[0])[0], slower.score(busy.baseline[0])[0]
     assert s_speed > b_speed and s_speed - b_speed <= slower.tie(busy.speculative[0], busy.baseline[0]) * s_speed
     assert decide(slower, busy, None, rng).pool == "speculative"
+
+
+def test_the_first_accept_figure_is_not_the_anchor_a_drift_is_judged_against():
+    """A scattered server's first figures, before its model has the samples to measure its spread: one low
+    poll (1.5: its 4 running drew badly) then 2.6 twice. Judged against the first poll, that was a 73% jump and
+    rescaled the model 1.7x fast for good (prefill-long, docs/BENCH.md "s32"). The anchor is the mean of the
+    first 10 figures; a real drop after them still rescales the model on its second poll."""
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(4)
+    for _ in range(6):
+        pol.observe(obs("speculative", S1, 4, GOOD_SPEC, rng, noise=0.05))
+    m = pol.pool_model("speculative")
+    before = m.params().throughput(4)
+    for x in (1.5, 2.6, 2.6, 2.4, 2.7, 2.5, 2.6, 2.3, 2.6, 2.5, 2.6, 2.4):
+        pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, x, 16))
+    assert m.params().throughput(4) == before
+    anchor = pol.anchor[S1]
+    assert anchor == pytest.approx(2.5, abs=0.15)
+    pol.observe_loads(S1, "speculative", LoadFigures(16, 0, None, 1.25, 16))
+    assert m.params().throughput(4) == before  # one poll: a blip
+    pol.observe_loads(S1, "speculative", LoadFigures(16, 0, None, 1.25, 16))
+    assert m.params().throughput(4) == pytest.approx(before * 1.25 / anchor, rel=0.01)
