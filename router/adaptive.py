@@ -142,7 +142,7 @@ class Adaptive:
         self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
         self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
         self.accept: dict[str, float] = {}  # accept length each backend last reported
-        self.anchor: dict[str, float] = {}  # accept length each backend's model was last scaled at
+        self.anchor: dict[str, float] = {}  # accept length a jump is judged against (ANCHOR_POLLS)
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
         self.polls: dict[str, int] = {}  # figures folded into each anchor since it was (re)set, up to ANCHOR_POLLS
         self.accept_dev: dict[str, float] = {}  # mean squared relative deviation of the figures from the anchor
@@ -293,12 +293,12 @@ class Adaptive:
             self.accept[url] = figs.accept_length
             if figs.running < ACCEPT_MIN_RUNNING:
                 return
-            # Against the accept length the model was last scaled at, not the last one reported: a figure that
-            # jitters (a window average; idle and busy report differently) must not walk the model away in
-            # sub-threshold steps, and A -> B -> A must come back to exactly where it was. Compared with the
-            # last report instead, a compare run walked both models 5x off within minutes.
-            anchor, x, k = self.anchor.get(url), figs.accept_length, self.polls.get(url, 0)
-            if anchor is None or k < ANCHOR_POLLS or abs(x - anchor) <= self.accept_jump(url, pool, figs.running) * anchor:
+            # Against the anchor (a mean of figures, reset to the new one at a rescale), not the last one
+            # reported: a figure that jitters (a window average; idle and busy report differently) must not walk
+            # the model away in sub-threshold steps. Compared with the last report instead, a compare run walked
+            # both models 5x off within minutes. (The anchor exists once a figure has been folded: k >= 1.)
+            anchor, x, k = self.anchor.get(url, 0.0), figs.accept_length, self.polls.get(url, 0)
+            if k < ANCHOR_POLLS or abs(x - anchor) <= self.accept_jump(url, pool, figs.running) * anchor:
                 self._fold_accept(url, x, figs.running)
             elif (beyond := self.beyond.get(url, 0) + 1) < ACCEPT_POLLS:
                 self.beyond[url] = beyond
@@ -307,7 +307,7 @@ class Adaptive:
                 self.anchor[url], self.beyond[url], self.polls[url], self.accept_dev[url] = x, 0, 1, 0.0
                 for key in (url, pool):
                     m = self.model(key, pool)
-                    m.rescale(anchor / figs.accept_length)
+                    m.rescale(anchor / x)
                     self._set(key, m.params(), m)
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
