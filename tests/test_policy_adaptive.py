@@ -517,23 +517,6 @@ def test_light_load_exploration_only_where_the_throughput_cost_is_small():
     assert got[EXPLORE] < 0.08 * 400
 
 
-def test_light_load_exploration_only_where_the_other_pool_would_run_alone_or_beside_one():
-    # Learned at 5-15 running only, as above: both pools unmeasured at 1-3. With two requests on each, the pool
-    # not picked would run three: not explored beyond the usual share (at 2 + 1 running on prefill-long's 4
-    # clients that exploration sent 20 of 34 requests where they added a quarter less throughput). With one
-    # request in all, it would run alone or beside one: explored.
-    pol = Adaptive(explore=0.03)
-    rng = random.Random(4)
-    for _ in range(100):
-        pol.observe(obs("speculative", S1, rng.randint(5, 15), GOOD_SPEC, rng))
-        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
-    got = Counter(pol.decide(view(2, 2), rng).reason for _ in range(400))
-    assert got[EXPLORE] < 0.08 * 400
-    near = Counter(pol.decide(view(1, 0), rng).reason for _ in range(400))
-    near += Counter(pol.decide(view(0, 1), rng).reason for _ in range(400))
-    assert near[EXPLORE] > 0.2 * 800
-
-
 @pytest.mark.parametrize(("noise", "alone", "pool"), [(0.0, 8, "baseline"), (0.12, 8, "speculative"),
                                                       (0.12, 400, "baseline")])
 def test_a_light_load_tie_is_as_wide_as_the_models_are_unsure(noise, alone, pool):
