@@ -210,26 +210,6 @@ def scattered(m: SpeedModel, ab, count: int, rng: random.Random) -> None:
         m.update(n, truth(ab, n) / (0.539 * per_request_accept(rng)))  # E[1/A] = 0.539
 
 
-def test_a_scattered_servers_bands_are_shrunk_by_their_noise():
-    """30 servers on a straight line whose requests scatter like prefill-long's (sd ~50%), a warm-up's mix of
-    loads (few requests at 2-3 running): the model's worst-but-three error there. A band's shrink capped at
-    BAND_SHRINK samples let each band follow its own noise: 12% and 17% off at 2 and 3 running."""
-    counts = {1: 90, 2: 50, 3: 25, 5: 60, 10: 30}
-    errs: dict[int, list[float]] = {2: [], 3: []}
-    for seed in range(30):
-        rng = random.Random(seed)
-        plan = [n for n, k in counts.items() for _ in range(k)]
-        rng.shuffle(plan)
-        m = SpeedModel(0.99)
-        for n in plan:
-            m.update(n, truth(SEED_SPEC, n) / (0.539 * per_request_accept(rng)))  # E[1/A] = 0.539
-        m.fit()
-        for n, e in errs.items():
-            e.append(abs(m.predict(n) / truth(SEED_SPEC, n) - 1))
-    for n, e in errs.items():
-        assert sorted(e)[-4] < 0.1, n
-
-
 def test_memory_grows_with_the_requests_scatter():
     quiet, loud = SpeedModel(0.99), SpeedModel(0.99)
     feed(quiet, SEED_BASE, 200, random.Random(1), noise=0.05)
