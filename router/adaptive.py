@@ -128,7 +128,7 @@ class Adaptive:
 
     def __init__(self, *, objective: str = "latency", forgetting: float = 0.99, explore: float = 0.03,
                  deadband: float = 0.01, max_running: int | None = None,
-                 priors: Mapping[str, tuple[float, float]] | None = None) -> None:
+                 priors: Mapping[str, tuple[float, float]] | None = None, defer_fits: bool = False) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {objective!r}")
         self.objective = objective
@@ -137,6 +137,9 @@ class Adaptive:
         self.deadband = deadband
         self.max_running = max_running
         self.priors = dict(priors or {})
+        # Big refits are left to learn() (SpeedModel.defer): the router runs them in steps between its other work.
+        self.defer_fits = defer_fits
+        self.pending: dict[str, list] = {}  # key -> [its refit under way (None: not begun), load of its last sample]
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
         self.published: dict[str, Params] = {}
         self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
@@ -162,6 +165,7 @@ class Adaptive:
         if m is None:
             m = self.models[key] = SpeedModel(self.forgetting, self.priors.get(pool))
             m.max_running = self.max_running
+            m.defer = self.defer_fits
             self.published[key] = m.params()
             self.spreads[key] = m.spread
         return m
@@ -223,8 +227,33 @@ class Adaptive:
         for key in (url, pool):
             m = self.model(key, pool)
             m.update(n, y)
-            self._publish(key, m, n)
+            if m.due or key in self.pending:
+                # Published when its refit has run (learn).
+                self.pending.setdefault(key, [None, n])[1] = n
+            else:
+                self._publish(key, m, n)
         self.last_seen[pool] = self.decisions
+
+    def learn(self, work: int | None = None) -> bool:
+        """Run the refits observe() left, for about `work` samples' worth (None: all of them), and publish each one
+        finished; True while some remain."""
+        budget = math.inf if work is None else work
+        while self.pending and budget > 0:
+            key, job = next(iter(self.pending.items()))
+            m = self.models[key]
+            if job[0] is None:
+                job[0] = m.fit_steps()
+            for done in job[0]:
+                budget -= done
+                if budget <= 0:
+                    break
+            else:
+                del self.pending[key]
+                if m.due:  # rescaled while it ran: that refit was dropped, another is due
+                    self.pending[key] = [None, job[1]]
+                else:
+                    self._publish(key, m, job[1])
+        return bool(self.pending)
 
     def _publish(self, key: str, m: SpeedModel, n: float) -> None:
         if abs(m.spread - self.spreads.get(key, 0.0)) > SPREAD_BAND:

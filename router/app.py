@@ -16,6 +16,7 @@ from router.curves import fit_token_time
 from router.discovery import Discovery, Resolver, static_entries
 from router.errors import error_middleware
 from router.health import HealthChecker
+from router.learner import Learner
 from router.loads import LoadPoller
 from router.metrics import Metrics
 from router.policy import Policy
@@ -61,6 +62,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     if settings.discovery == "dns":
         app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
+    app.cleanup_ctx.append(_learner_ctx)
     if settings.load_signal == "backend":
         app.cleanup_ctx.append(_loads_ctx)
     if settings.metrics_port is not None:
@@ -86,7 +88,7 @@ def make_policy(settings: Settings) -> Policy:
               (("speculative", settings.speculative_curve), ("baseline", settings.baseline_curve)) if points}
     return Adaptive(objective=settings.objective, forgetting=settings.adaptive_forgetting,
                     explore=settings.adaptive_explore, deadband=settings.adaptive_deadband,
-                    max_running=settings.adaptive_max_running, priors=priors)
+                    max_running=settings.adaptive_max_running, priors=priors, defer_fits=True)
 
 
 def _add(app: web.Application, method: str, path: str, handler) -> None:
@@ -155,6 +157,13 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     st.health.start()
     yield
     await st.health.stop()
+
+
+async def _learner_ctx(app: web.Application) -> AsyncIterator[None]:
+    learner = Learner(app[STATE].pools)
+    learner.start()
+    yield
+    await learner.stop()
 
 
 async def _loads_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -95,8 +95,10 @@ class Decision:
 class Policy(Protocol):
     """One routing policy. decide() is called with no await around it, so counts are exact; a policy may keep
     state between calls (a mode, a cursor, a learned model) but does no I/O. What it learns comes in through
-    observe() (each finished exchange) and observe_loads() (each /v1/loads answer); state() is what it shows of
-    itself (/router/state, and the router_adaptive_* gauges read its "pools" section), None when nothing."""
+    observe() (each finished exchange) and observe_loads() (each /v1/loads answer); what observe() leaves to do
+    (a refit too big to hold the event loop for) learn() does, a step at a time (router.learner); state() is what
+    it shows of itself (/router/state, and the router_adaptive_* gauges read its "pools" section), None when
+    nothing."""
 
     name: str
 
@@ -105,6 +107,8 @@ class Policy(Protocol):
     def observe(self, obs: Observation) -> None: ...
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None: ...
+
+    def learn(self, work: int | None = None) -> bool: ...
 
     def state(self, view: View) -> dict | None: ...
 
@@ -117,6 +121,9 @@ class Fixed:
 
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         return None
+
+    def learn(self, work: int | None = None) -> bool:
+        return False
 
     def state(self, view: View) -> dict | None:
         return None

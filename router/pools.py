@@ -230,6 +230,9 @@ class Pools:
         # Prefix affinity (router.affinity), applied to every policy's decision; None: off.
         self.affinity = affinity
         self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
+        # Who runs what the policy's observe() left to learn(): router.learner's wake-up in a serving router;
+        # None runs it at once, in report_done (a bench driving the policy directly, tests).
+        self.learner: Callable[[], None] | None = None
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -338,6 +341,10 @@ class Pools:
         if placement is not None and obs.cached_tokens is None:
             obs = replace(obs, expected_cached_tokens=placement.expected_cached)
         self.policy.observe(obs)
+        if self.learner is None:
+            self.policy.learn(None)
+        else:
+            self.learner()
         if self.affinity is not None:
             self.affinity.observe(obs, placement, backend.generation)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # Until a model has seen this much, its figures are the prior's (or a neutral guess).
@@ -27,6 +28,12 @@ MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many sa
 # worth, the forgetting factor 1 - 1/N), up to MAX_FORGETTING. A quiet server keeps the configured forgetting.
 MEMORY_TARGET = 0.03
 MAX_FORGETTING = 0.998
+# A refit over a thousand samples takes ~3.5 ms of pure Python. A model that defers (SpeedModel.defer) leaves a refit
+# over SYNC_FIT samples or more to its owner, who runs it FIT_STEP samples at a time (fit_steps) between the event
+# loop's other work: run at once, each such refit held every stream the router forwards, and on the issue's pair at
+# 32 clients that cost adaptive 2-3% of its throughput against balanced at the same split (docs/BENCH.md, "s34").
+SYNC_FIT = 128
+FIT_STEP = 256
 
 
 EDGES = (1.0, 1.5, 2.5, 3.5, 8.0, 16.0, 32.0, 64.0, math.inf)  # band k holds loads from EDGES[k] up to EDGES[k + 1]
@@ -123,7 +130,7 @@ class SpeedModel:
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
     __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
-                 "_since_fit", "shape", "counts", "spread")
+                 "_since_fit", "shape", "counts", "spread", "defer", "due", "epoch")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
                  prior_weight: float = 20.0) -> None:
@@ -140,6 +147,9 @@ class SpeedModel:
         self.shape: tuple[tuple[int, float], ...] = ()
         self.counts: dict[int, int] = {}  # samples held per load band
         self.spread = 0.0  # robust standard deviation of one request's log(measured / model), shape included
+        self.defer = False  # leave big refits to the owner (due, fit_steps) instead of running them in update()
+        self.due = False  # a refit is due and left to the owner
+        self.epoch = 0  # counts rescale()s: a refit begun before one is of the old scale and is dropped
 
     def params(self) -> Params:
         a, b = self.theta
@@ -171,11 +181,23 @@ class SpeedModel:
         self.samples += 1
         self._since_fit += 1
         if self.samples <= 32 or self._since_fit >= max(REFIT_EVERY, self.held() // REFIT_SHARE):
-            self.fit()
+            if self.defer and self.held() >= SYNC_FIT:
+                self.due = True
+            else:
+                self.fit()
         return rel
 
     def fit(self) -> None:
+        for _ in self.fit_steps():
+            pass
+
+    def fit_steps(self, step: int = FIT_STEP) -> Iterator[int]:
+        """The refit, in steps of about `step` samples each: yields the samples each step went over. Works on the
+        samples held when it began; the model changes only at its end, all at once (the line, its shape, its
+        spread), and not at all when the model was rescaled meanwhile (then another refit is due)."""
         self._since_fit = 0
+        self.due = False
+        epoch = self.epoch
         lam = self.memory()
         data: list[tuple[float, float]] = []
         ages: list[float] = []
@@ -185,29 +207,38 @@ class SpeedModel:
                 data.append((n, y))
                 ages.append(lam ** (last - no))
         m = len(data)
+        yield m
         a, b = self.theta
         for _ in range(3):
-            preds = [max(a + b * n, MIN_ALPHA) for n, _ in data]
-            lrs = [math.log(y / p) for (_, y), p in zip(data, preds, strict=True)]
+            preds: list[float] = []
+            lrs: list[float] = []
+            for i in range(0, m, step):
+                part = [max(a + b * n, MIN_ALPHA) for n, _ in data[i:i + step]]
+                lrs += [math.log(y / p) for (_, y), p in zip(data[i:i + step], part, strict=True)]
+                preds += part
+                yield len(part)
             med = sorted(lrs)[m // 2]
             mad = sorted(abs(x - med) for x in lrs)[m // 2]
             s = max(1.4826 * mad, 0.02)
             # Normal equations of sum w (y - a - b n)^2 with w = age * huber / y_hat^2 (relative errors).
             s00 = s01 = s11 = t0 = t1 = 0.0
             ws = []
-            for (n, y), p, lr, age in zip(data, preds, lrs, ages, strict=True):
-                w = age / (p * p)
-                # Around the median, not 0: when the fit is far off (a first sample that was an outlier), the
-                # bulk of the samples still agree with each other and the strays are the ones left out.
-                dev = abs(lr - med)
-                if dev > HUBER * s:
-                    w *= (HUBER * s / dev) ** 2
-                ws.append(w)
-                s00 += w
-                s01 += w * n
-                s11 += w * n * n
-                t0 += w * y
-                t1 += w * n * y
+            for i in range(0, m, step):
+                for (n, y), p, lr, age in zip(data[i:i + step], preds[i:i + step], lrs[i:i + step], ages[i:i + step],
+                                              strict=True):
+                    w = age / (p * p)
+                    # Around the median, not 0: when the fit is far off (a first sample that was an outlier), the
+                    # bulk of the samples still agree with each other and the strays are the ones left out.
+                    dev = abs(lr - med)
+                    if dev > HUBER * s:
+                        w *= (HUBER * s / dev) ** 2
+                    ws.append(w)
+                    s00 += w
+                    s01 += w * n
+                    s11 += w * n * n
+                    t0 += w * y
+                    t1 += w * n * y
+                yield min(step, m - i)
             if self.prior is not None:
                 # The prior as pseudo-samples at n=1 and n=N_REF, fading as the data comes in.
                 pa, pb = self.prior
@@ -240,19 +271,28 @@ class SpeedModel:
                 b = 0.0
                 a = t0 / s00
             a = max(a, MIN_ALPHA)
+        shape, counts = yield from self._fit_shape(data, ages, a, b, s, step)
+        spread = yield from self._fit_spread(data, Params(a, max(b, 0.0), self.max_running, shape), step)
+        if epoch != self.epoch:
+            self.due = True
+            return
         self.theta = [a, b]
         self.scale = s
-        self._fit_shape(data, ages, a, b, s)
-        self._fit_spread(data)
+        self.shape, self.counts, self.spread = shape, counts, spread
 
-    def _fit_spread(self, data) -> None:
+    @staticmethod
+    def _fit_spread(data, p: Params, step: int) -> Iterator[int]:
         """How far one request's token time scatters around the model (line and shape), robustly (MAD): what
         the server does to a request beyond its load, e.g. a speculative server's per-request acceptance."""
-        p = self.params()
-        devs = sorted(abs(math.log(y / p.token_time(n))) for n, y in data)
-        self.spread = 1.4826 * devs[len(devs) // 2] if devs else 0.0
+        devs: list[float] = []
+        for i in range(0, len(data), step):
+            devs += [abs(math.log(y / p.token_time(n))) for n, y in data[i:i + step]]
+            yield min(step, len(data) - i)
+        devs.sort()
+        return 1.4826 * devs[len(devs) // 2] if devs else 0.0
 
-    def _fit_shape(self, data, ages, a, b, s) -> None:
+    @staticmethod
+    def _fit_shape(data, ages, a, b, s, step: int) -> Iterator[int]:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
         robust deviations around the band's median (a stalled request cannot bend a band; a band the line
         misses by 25% is still followed), shrunk toward the line by BAND_SHRINK samples (fewer when the
@@ -263,16 +303,19 @@ class SpeedModel:
         a, b = max(a, MIN_ALPHA), max(b, 0.0)
         per: dict[int, list[tuple[float, float]]] = {}
         loads: dict[int, float] = {}  # per band: the age-weighted sum of its samples' loads
-        for (n, y), age in zip(data, ages, strict=True):
-            k = band(n)
-            per.setdefault(k, []).append((y / (a + b * n) - 1.0, age))
-            loads[k] = loads.get(k, 0.0) + age * n
-        self.counts = {k: len(v) for k, v in per.items()}
+        for i in range(0, len(data), step):
+            for (n, y), age in zip(data[i:i + step], ages[i:i + step], strict=True):
+                k = band(n)
+                per.setdefault(k, []).append((y / (a + b * n) - 1.0, age))
+                loads[k] = loads.get(k, 0.0) + age * n
+            yield min(step, len(data) - i)
+        counts = {k: len(v) for k, v in per.items()}
         centres = {k: sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
                    for k, rs in per.items()}
         # The requests' own scatter, within bands (the line's misfit between bands is not noise).
         within = sorted(abs(r - centres[k]) for k, rs in per.items() if len(rs) >= MIN_BAND_LEVEL for r, _ in rs)
         noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
+        yield len(data)
         lim = HUBER * noise
         shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2))
         got: dict[int, float] = {}
@@ -293,12 +336,14 @@ class SpeedModel:
         # on the fitted line: a warm-up at 1, 5, 30 and 100 clients left the TP8 baseline without samples at 8-15
         # running, where the line (bent 3-11% either side by the measured bands) was 9% fast, and 10 clients kept
         # one request too many there.
-        self.shape = tuple((k, got[k], at[k]) for k in sorted(got))
+        yield len(data)
+        return tuple((k, got[k], at[k]) for k in sorted(got)), counts
 
     def rescale(self, factor: float) -> None:
         """Scale the whole curve's token time (the server's tokens per step changed by 1/factor), the samples
         held included, so the next fit starts from the new level rather than averaging the old one in."""
         if factor > 0 and factor != 1.0:
+            self.epoch += 1
             self.theta = [self.theta[0] * factor, self.theta[1] * factor]
             self.bands = {k: deque(((n, y * factor, no) for n, y, no in held), maxlen=BAND_WINDOW)
                           for k, held in self.bands.items()}
