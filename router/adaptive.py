@@ -1,6 +1,7 @@
 """The adaptive policy: learns each pool's (and instance's) speed online and routes on the learned models."""
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Mapping
@@ -141,6 +142,9 @@ class Adaptive:
         self.defer_fits = defer_fits
         self.pending: dict[str, list] = {}  # key -> [its refit under way (None: not begun), load of its last sample]
         self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
+        # pool -> the one instance that has fed its model so far: the two are then one object (_fed).
+        self.sole: dict[str, str] = {}
+        self.split: set[str] = set()  # pools fed by more than one instance
         self.published: dict[str, Params] = {}
         self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
         self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
@@ -223,15 +227,42 @@ class Adaptive:
             return replace(src, max_running=self.model(b.pool, b.pool).max_running)
         return self.published[key]
 
+    def _fed(self, url: str, pool: str) -> tuple[str, ...]:
+        """The models a sample or a load figure of `url` goes into: its own and its pool's. While one instance alone
+        has fed its pool, the two are one object (the same samples in, the same fit out): updated and refitted once,
+        not twice (the refits were most of adaptive's CPU per request; docs/BENCH.md, "s34")."""
+        first = self.sole.get(pool)
+        if first == url:
+            return (url,)
+        if first is None and pool not in self.split:
+            self.model(pool, pool)  # its published copy: a fresh model's, as the instance's is
+            self.sole[pool] = url
+            self.models[pool] = self.model(url, pool)
+            return (url,)
+        if first is not None:
+            # A second instance: the pool's model goes on from a copy of the first one's.
+            m = self.models[pool] = copy.deepcopy(self.models[first])
+            del self.sole[pool]
+            self.split.add(pool)
+            if first in self.pending:  # its refit under way is the first one's: the pool's is due again
+                m.due = True
+                self.pending[pool] = [None, self.pending[first][1]]
+        return (url, pool)
+
+    def _named(self, key: str) -> list[str]:
+        """key, and the pools whose model is key's (_fed)."""
+        return [key, *(p for p, u in self.sole.items() if u == key)]
+
     def _fold(self, pool: str, url: str, n: float, y: float) -> None:
-        for key in (url, pool):
+        for key in self._fed(url, pool):
             m = self.model(key, pool)
             m.update(n, y)
             if m.due or key in self.pending:
                 # Published when its refit has run (learn).
                 self.pending.setdefault(key, [None, n])[1] = n
             else:
-                self._publish(key, m, n)
+                for name in self._named(key):
+                    self._publish(name, m, n)
         self.last_seen[pool] = self.decisions
 
     def learn(self, work: int | None = None) -> bool:
@@ -252,7 +283,8 @@ class Adaptive:
                 if m.due:  # rescaled while it ran: that refit was dropped, another is due
                     self.pending[key] = [None, job[1]]
                 else:
-                    self._publish(key, m, job[1])
+                    for name in self._named(key):
+                        self._publish(name, m, job[1])
         return bool(self.pending)
 
     def _publish(self, key: str, m: SpeedModel, n: float) -> None:
@@ -313,11 +345,13 @@ class Adaptive:
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
         limit = figs.max_running if self.max_running is None else self.max_running
-        for key in (url, pool):
+        keys = self._fed(url, pool)
+        for key in keys:
             m = self.model(key, pool)
             if limit is not None and m.max_running != limit:
                 m.max_running = limit
-                self._publish(key, m, 1.0)
+                for name in self._named(key):
+                    self._publish(name, m, 1.0)
         if figs.accept_length is not None and figs.accept_length > 0:
             self.accept[url] = figs.accept_length
             if figs.running < ACCEPT_MIN_RUNNING:
@@ -334,10 +368,11 @@ class Adaptive:
             else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
                 self.anchor[url], self.beyond[url], self.polls[url], self.accept_dev[url] = x, 0, 1, 0.0
-                for key in (url, pool):
+                for key in keys:
                     m = self.model(key, pool)
                     m.rescale(anchor / x)
-                    self._set(key, m.params(), m)
+                    for name in self._named(key):
+                        self._set(name, m.params(), m)
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
         # the steps other requests' prefills take, are not in it), and its clock need not be the router's (a

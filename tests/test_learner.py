@@ -157,3 +157,38 @@ async def test_a_serving_router_runs_the_learner(router_factory, sim_factory):
     router = await router_factory([spec.url], [base.url], policy="adaptive")
     pools = router.app[STATE].pools
     assert pools.learner is not None and pools.policy.defer_fits
+
+
+# ---------------------------------------------------------------- one model for a pool of one instance
+
+def test_a_pool_fed_by_one_instance_shares_its_model_and_splits_at_a_second():
+    pol = Adaptive(explore=0.0)
+    alone = SpeedModel()  # what the pool's own model would hold: every sample of the pool, in order
+    s2 = "http://s2:1"
+    for i, o in enumerate(observations(900)):
+        if o.pool != "speculative":
+            continue
+        if i > 600:
+            o = Observation(o.pool, s2, o.inflight_at_start, o.inflight_at_end, o.duration_s * 1.3, o.ttft_s,
+                            o.completion_tokens, o.chunks, True)
+        pol.observe(o)
+        alone.update(o.inflight_at_start, o.duration_s / o.completion_tokens)
+        if i == 600:
+            assert pol.models["speculative"] is pol.models[S1]  # one object, refitted once per refit
+            assert pol.published["speculative"] == pol.published[S1]
+    assert pol.models["speculative"] is not pol.models[S1]
+    assert fitted(pol.models["speculative"]) == fitted(alone)
+    assert pol.models[S1].samples == 201 and pol.models[s2].samples == 99
+
+
+def test_a_second_instances_load_figures_split_the_pool_without_touching_the_first():
+    pol = Adaptive(explore=0.0)
+    s2 = "http://s2:1"
+    for o in observations(60):
+        pol.observe(o)
+    pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, None, 48))
+    assert pol.models["speculative"] is pol.models[S1]
+    pol.observe_loads(s2, "speculative", LoadFigures(4, 0, None, None, 16))
+    assert pol.models[S1].max_running == 48
+    assert pol.models["speculative"] is not pol.models[S1] and pol.models["speculative"].max_running == 16
+    assert pol.models[s2].max_running == 16
