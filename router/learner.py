@@ -5,13 +5,13 @@ import asyncio
 import logging
 
 from router.pools import Pools
+from router.speedmodel import FIT_STEP
 from router.tasks import cancel
 
 log = logging.getLogger("router.learner")
 
-# Samples one step of learning goes over: ~0.1-0.5 ms of pure Python for a speed model's refit (docs/BENCH.md, "s34"),
-# so no stream the router forwards waits longer than that for it.
-LEARN_STEP = 256
+# Samples one step of learning goes over: one step of a speed model's refit (~0.1-0.5 ms; docs/BENCH.md, "s34").
+LEARN_STEP = FIT_STEP
 
 
 class Learner:
