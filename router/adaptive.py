@@ -60,7 +60,9 @@ LOW_LOAD_SAMPLES = 5
 # as well), up to MAX_LOW_LOAD_SAMPLES: prefill-long's speculative server (spread ~0.5) judged on 5 draws came
 # out 28% slow alone after a warm-up, and one judge repeat sent it 2% of a one-client level (docs/BENCH.md).
 MAX_LOW_LOAD_SAMPLES = 32
-LOW_LOAD_EXPLORE = 0.5
+# A quarter (s35; a half before): prefill-long's speculative server, scattering by 30-60%, is explored up to
+# MAX_LOW_LOAD_SAMPLES times a band, and at a half that alone put 59% of a 4-client level there (best: 53%).
+LOW_LOAD_EXPLORE = 0.25
 NEAR_TIE = 0.03  # "latency": per-request speeds this close are a tie the models cannot call
 FRESH = 10  # random exploration only of a pool not sent a request in this many decisions
 # The near tie widens by TIE_Z standard errors of the two predictions (capped at MAX_TIE).
@@ -439,11 +441,15 @@ class Adaptive:
               and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])
               and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b)))
               > SPREAD_BAND + SPREAD_APART * max(s_spread, b_spread)
-              and not self.queues(s_b if s_spread < b_spread else b_b)):
+              and not self.queues(s_b if s_spread < b_spread else b_b)
+              and (b_b if s_spread < b_spread else s_b).load_estimate >= LOW_LOAD):
             # Not when the steadier would queue the request: its time there is then mostly the wait, whose scatter
             # no spread measures (a queued request's sample is its decode alone). On the TP4 split at 100 clients
             # the baseline, queueing ~40, counted as the steadier and took the ties: 27-28% on the speculative
             # server where balanced keeps 31%, 0.96x (1.00x without the tie-break there).
+            # Nor when the scattering server is lightly loaded: its light bands (one per request count) then held
+            # few samples, so the tie was wide, and losing every such tie kept them few. The seed TP8 pair at 10
+            # clients sat at 2 + 8 (22-25% speculative) where 3 + 7 is 6% faster per request: 0.963x of balanced.
             spec_first = s_spread < b_spread
         else:
             spec_first = s_score > b_score

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from router import speedmodel
-from router.adaptive import EXPLORE_FLOOR, LOW_LOAD_SAMPLES, Adaptive, sample
+from router.adaptive import EXPLORE_FLOOR, LOW_LOAD_EXPLORE, LOW_LOAD_SAMPLES, Adaptive, sample
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
@@ -430,7 +430,7 @@ def test_no_random_exploration_of_a_pool_the_routing_feeds():
 
 def test_light_load_measures_both_pools_alone_before_trusting_the_line():
     # Learned at 5-15 running only: neither pool was ever measured alone. At light load the pool not picked
-    # gets half the decisions until it has LOW_LOAD_SAMPLES there (more, its requests scattering by 15%: 11.25,
+    # gets LOW_LOAD_EXPLORE of the decisions until it has LOW_LOAD_SAMPLES there (more, its requests scattering by 15%: 11.25,
     # what knows its mean as well as 5 of requests scattering by 10%), then only the usual share.
     pol = Adaptive(explore=0.03)
     rng = random.Random(4)
@@ -438,7 +438,7 @@ def test_light_load_measures_both_pools_alone_before_trusting_the_line():
         pol.observe(obs("speculative", S1, rng.randint(5, 15), SEED_SPEC, rng))
         pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
     first = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
-    assert 0.4 * 400 < first[EXPLORE] < 0.6 * 400
+    assert (LOW_LOAD_EXPLORE - 0.1) * 400 < first[EXPLORE] < (LOW_LOAD_EXPLORE + 0.1) * 400
     alt = "speculative" if place(pol, 1) == 0 else "baseline"
     idle = view(0, 0)
     b = (idle.speculative if alt == "speculative" else idle.baseline)[0]
@@ -455,7 +455,7 @@ def test_light_load_measures_both_pools_alone_before_trusting_the_line():
         alt_speed, pick_speed = pol.score(b)[0], pol.score(other_b)[0]
         if pol.plausible(b, alt_speed, other_b, pick_speed) and alt_speed >= EXPLORE_FLOOR * pick_speed:
             short = Counter(pol.decide(idle, rng).reason for _ in range(400))
-            assert short[EXPLORE] > 0.3 * 400  # samples short (one, at the last pass): still explored
+            assert short[EXPLORE] > (LOW_LOAD_EXPLORE - 0.1) * 400  # samples short (one, at the last pass): still explored
             short_checked = True
         pol.observe(obs(alt, S1 if alt == "speculative" else B1, 1, SEED_SPEC if alt == "speculative" else SEED_BASE,
                         rng))
@@ -836,7 +836,7 @@ def test_one_slow_request_does_not_rule_a_server_out_and_its_copy_is_not_kept():
         pol.observe(obs("baseline", B1, 1, SEED_BASE, rng, noise=0.01))
     assert pol.score(spec_b)[0] < pol.score(base_b)[0]
     assert pol.plausible(spec_b, pol.score(spec_b)[0], base_b, pol.score(base_b)[0])
-    assert Counter(pol.decide(idle, rng).reason for _ in range(200))[EXPLORE] > 60
+    assert Counter(pol.decide(idle, rng).reason for _ in range(200))[EXPLORE] > (LOW_LOAD_EXPLORE - 0.1) * 200
     for _ in range(15):
         pol.observe(scattered_obs("speculative", S1, 1, GOOD_SPEC, rng))
     assert pol.score(spec_b)[0] > pol.score(base_b)[0]  # the server is faster alone: 2.4/E[1/A] of it
@@ -888,6 +888,36 @@ def test_a_busy_tie_within_the_models_uncertainty_goes_to_the_steadier_server():
     s_speed, b_speed = slower.score(busy.speculative[0])[0], slower.score(busy.baseline[0])[0]
     assert s_speed > b_speed and s_speed - b_speed <= slower.tie(busy.speculative[0], busy.baseline[0]) * s_speed
     assert decide(slower, busy, None, rng).pool == "speculative"
+
+
+def test_a_busy_tie_stays_with_the_faster_mean_while_the_scattering_server_is_lightly_loaded():
+    """The seed TP8 pair at 10 clients: the speculative server at 2 running, the baseline at 7. The speculative
+    model holds few samples at 3 running (its light bands are one per request count), so the tie is wide and
+    6% more speed per request is inside it. Handed to the steadier baseline, every such tie kept that band
+    unmeasured (2 + 8 where 3 + 7 is faster: 0.963x of balanced). Lightly loaded, the faster mean takes it;
+    busier, the tie still goes to the steadier server."""
+    rng = random.Random(5)
+    spec = (0.0118, 0.00201)
+    pol = Adaptive(explore=0.0)
+    for n, k in ((1, 40), (2, 40), (3, 8), (5, 30), (10, 30), (20, 30)):
+        for _ in range(k):
+            y = truth(spec, n) * (1 + rng.gauss(0, 0.1))
+            pol.observe(Observation("speculative", S1, n, n, y * 96, y * 4, 96, 8, True))
+    for _ in range(30):
+        for n in range(1, 13):
+            pol.observe(obs("baseline", B1, n, SEED_BASE, rng, noise=0.0))
+
+    def gap_and_tie(v):
+        s, b = v.speculative[0], v.baseline[0]
+        return pol.score(s)[0] / pol.score(b)[0] - 1, pol.tie(s, b)
+
+    light, busy = view(2, 7), view(4, 10)
+    for v in (light, busy):
+        gap, tie = gap_and_tie(v)
+        assert 0.03 < gap < tie  # faster on the speculative server, by less than the models can tell
+    assert pol.spread(light.speculative[0]) > 0.05 and pol.spread(light.baseline[0]) < 0.01
+    assert decide(pol, light, None, random.Random(1)).pool == "speculative"
+    assert decide(pol, busy, None, random.Random(1)).pool == "baseline"
 
 
 def test_the_first_accept_figure_is_not_the_anchor_a_drift_is_judged_against():
