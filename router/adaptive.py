@@ -60,10 +60,7 @@ LOW_LOAD_SAMPLES = 5
 # as well), up to MAX_LOW_LOAD_SAMPLES: prefill-long's speculative server (spread ~0.5) judged on 5 draws came
 # out 28% slow alone after a warm-up, and one judge repeat sent it 2% of a one-client level (docs/BENCH.md).
 MAX_LOW_LOAD_SAMPLES = 32
-# A quarter (s35; a half before): prefill-long's speculative server, scattering by 30-60%, is explored up to
-# MAX_LOW_LOAD_SAMPLES times a band; at a quarter it reached the bar in 164 of 180 virtual cells, at a half 150
-# (no member lower; docs/BENCH.md "s35").
-LOW_LOAD_EXPLORE = 0.25
+LOW_LOAD_EXPLORE = 0.5  # a quarter: better on the virtual family, worse on the TP4 split (docs/BENCH.md, "s35")
 NEAR_TIE = 0.03  # "latency": per-request speeds this close are a tie the models cannot call
 FRESH = 10  # random exploration only of a pool not sent a request in this many decisions
 # The near tie widens by TIE_Z standard errors of the two predictions (capped at MAX_TIE).
