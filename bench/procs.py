@@ -91,7 +91,13 @@ def start(name: str, args: list[str], wait_s: float = 30.0, env: dict | None = N
                   threading.Thread(target=read_stderr, daemon=True)]
     for t in p._readers:
         t.start()
-    ready.wait(wait_s)
+    try:
+        ready.wait(wait_s)
+    except BaseException:
+        # Interrupted while it starts (a SIGTERM's unwinding lands here): it is in no ProcGroup yet, and in a session
+        # of its own nothing else stops it. A `bench compare` stopped this way left its first router running.
+        terminate(popen, 2.0)
+        raise
     if len(found) >= lines:
         p.url, p.urls = found[0], list(found[:lines])
         return p
