@@ -437,18 +437,8 @@ class Adaptive:
             spec_first = s_score[1] > b_score[1]
         elif (self.objective == "latency"
               and abs(s_score[0] - b_score[0]) <= self.tie(s_b, b_b) * max(s_score[0], b_score[0])
-              and abs((s_spread := self.spread(s_b)) - (b_spread := self.spread(b_b)))
-              > SPREAD_BAND + SPREAD_APART * max(s_spread, b_spread)
-              and not self.queues(s_b if s_spread < b_spread else b_b)
-              and (b_b if s_spread < b_spread else s_b).load_estimate >= LOW_LOAD):
-            # Not when the steadier would queue the request: its time there is then mostly the wait, whose scatter
-            # no spread measures (a queued request's sample is its decode alone). On the TP4 split at 100 clients
-            # the baseline, queueing ~40, counted as the steadier and took the ties: 27-28% on the speculative
-            # server where balanced keeps 31%, 0.96x (1.00x without the tie-break there).
-            # Nor when the scattering server is lightly loaded: its light bands (one per request count) then held
-            # few samples, so the tie was wide, and losing every such tie kept them few. The seed TP8 pair at 10
-            # clients sat at 2 + 8 (22-25% speculative) where 3 + 7 is 6% faster per request: 0.963x of balanced.
-            spec_first = s_spread < b_spread
+              and (steady := self.steadier(s_b, b_b)) is not None):
+            spec_first = steady is s_b
         else:
             spec_first = s_score > b_score
         pick, alt = (s_b, b_b) if spec_first else (b_b, s_b)
@@ -469,6 +459,22 @@ class Adaptive:
                 if cheap or stale:
                     return self._send(alt, EXPLORE)
         return self._send(pick, GAIN)
+
+    def steadier(self, s_b: BackendView, b_b: BackendView) -> BackendView | None:
+        """The backend a busy tie goes to: the one whose requests scatter less, when the two spreads are told apart,
+        it would not queue the request and the other is busy; None when neither."""
+        s_spread, b_spread = self.spread(s_b), self.spread(b_b)
+        if abs(s_spread - b_spread) <= SPREAD_BAND + SPREAD_APART * max(s_spread, b_spread):
+            return None
+        steady, scatter = (s_b, b_b) if s_spread < b_spread else (b_b, s_b)
+        # Not when the steadier would queue the request: its time there is then mostly the wait, whose scatter
+        # no spread measures (a queued request's sample is its decode alone). On the TP4 split at 100 clients
+        # the baseline, queueing ~40, counted as the steadier and took the ties: 27-28% on the speculative
+        # server where balanced keeps 31%, 0.96x (1.00x without the tie-break there).
+        # Nor when the scattering server is lightly loaded: its light bands (one per request count) then held
+        # few samples, so the tie was wide, and losing every such tie kept them few. The seed TP8 pair at 10
+        # clients sat at 2 + 8 (22-25% speculative) where 3 + 7 is 6% faster per request: 0.963x of balanced.
+        return None if self.queues(steady) or scatter.load_estimate < LOW_LOAD else steady
 
     def queues(self, b: BackendView) -> bool:
         """Would one more request wait in b's queue (its max_running_requests known and reached)?"""

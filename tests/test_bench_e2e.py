@@ -309,7 +309,7 @@ def test_a_bench_command_stopped_with_sigterm_stops_the_servers_it_started(tmp_p
             socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2).close()
 
 
-def test_a_server_interrupted_while_it_starts_is_stopped_not_left_behind():
+def test_a_server_interrupted_while_it_starts_is_stopped_not_left_behind(monkeypatch):
     """A SIGTERM's unwinding can land while `procs.start` waits for the child's `listening on` line, before any
     ProcGroup holds it; the child runs in its own session, so it was left running (a `bench compare` stopped that
     way in CI left its first router behind)."""
@@ -329,16 +329,15 @@ def test_a_server_interrupted_while_it_starts_is_stopped_not_left_behind():
         started.append(real_popen(*a, **kw))
         return started[-1]
 
+    monkeypatch.setattr(procs.subprocess, "Popen", recording_popen)
     old = signal.signal(signal.SIGALRM, interrupt)
     try:
-        procs.subprocess.Popen = recording_popen  # type: ignore[misc]
         signal.setitimer(signal.ITIMER_REAL, 1.0)
         with pytest.raises(Interrupted):  # a child that never says `listening on`
             procs.start("silent", ["timeit", "-n", "1", "import time; time.sleep(60)"], wait_s=30)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        procs.subprocess.Popen = real_popen  # type: ignore[misc]
     assert len(started) == 1
     try:
         assert started[0].wait(timeout=10) is not None  # stopped by PID, and reaped
