@@ -55,6 +55,11 @@ ANCHOR_POLLS = 10
 # LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
 # while it could still be the faster: its speed TIE_Z standard errors up at least the pick's TIE_Z down.
 LOW_LOAD = 3
+# ... and only where it would run at most EXPLORE_LOAD (alone or beside one): the loads 1-2 clients are decided
+# at, the furthest from the busier traffic the line is fitted on. At 3 the band borrows from the line and its
+# neighbours (speedmodel's shrink); exploring it was 20 of 34 decisions at 2 + 1 running on prefill-long's 4
+# clients, a request that adds a quarter less throughput there each time (0.95x; docs/BENCH.md "s33", "s36").
+EXPLORE_LOAD = 2
 LOW_LOAD_SAMPLES = 5
 # ... times (its spread / PRIOR_SPREAD)^2 for a pool whose requests scatter more (the samples that know its mean
 # as well), up to MAX_LOW_LOAD_SAMPLES: prefill-long's speculative server (spread ~0.5) judged on 5 draws came
@@ -448,7 +453,7 @@ class Adaptive:
             n_alt = alt.load_estimate + 1
             g = 1 if self.objective == "latency" else 0
             alt_sc, pick_sc = (b_score, s_score) if spec_first else (s_score, b_score)
-            if (cheap and alt_sc[g] >= EXPLORE_FLOOR * pick_sc[g] and n_alt <= LOW_LOAD and alt.pool not in self.priors
+            if (cheap and alt_sc[g] >= EXPLORE_FLOOR * pick_sc[g] and n_alt <= EXPLORE_LOAD and alt.pool not in self.priors
                     and self.model(alt.pool, alt.pool).band_samples(n_alt) < self.low_load_samples(alt)
                     and self.plausible(alt, alt_sc[0], pick, pick_sc[0])
                     and rng.random() < LOW_LOAD_EXPLORE):

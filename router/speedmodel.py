@@ -17,7 +17,11 @@ REFIT_EVERY = 4
 REFIT_SHARE = 32
 HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # Shape: per load band the line's mean relative error there, shrunk by BAND_SHRINK pseudo-samples scaled by
-# (noise / SHAPE_NOISE)^2, at least MIN_SHRINK of it: real servers are not straight lines.
+# (noise / SHAPE_NOISE)^2, at least MIN_SHRINK of it: real servers are not straight lines. The shrink is the
+# empirical-Bayes one, noise^2 / tau^2 with tau = SHAPE_NOISE / sqrt(BAND_SHRINK) (~4.5%) how far a band is
+# believed to sit off the line, and is not capped: capped at BAND_SHRINK, a band of a server whose requests
+# scatter by 50% followed its own ~10% noise, and prefill-long's speculative model ran 4-7% fast at 2-3 running
+# where the right split is a tie (docs/BENCH.md "s33", "s36").
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
@@ -296,7 +300,7 @@ class SpeedModel:
         """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
         robust deviations around the band's median (a stalled request cannot bend a band; a band the line
         misses by 25% is still followed), shrunk toward the line by BAND_SHRINK samples (fewer when the
-        samples are quiet) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That
+        samples are quiet, more when they scatter) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That
         count does not fall when all of a band's samples fade alike: a band the traffic left long ago keeps
         its correction instead of falling back on the line, which the busy band alone now sets (shrinking by
         the faded weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
@@ -317,7 +321,7 @@ class SpeedModel:
         noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
         yield len(data)
         lim = HUBER * noise
-        shrink = BAND_SHRINK * min(1.0, max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2))
+        shrink = BAND_SHRINK * max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2)
         got: dict[int, float] = {}
         effs: dict[int, float] = {}
         at: dict[int, float] = {}  # where in the band its factor is measured: its samples' mean load
