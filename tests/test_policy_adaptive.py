@@ -448,15 +448,21 @@ def test_no_random_exploration_of_a_pool_the_routing_feeds():
     assert 0.03 * 2000 < alone[EXPLORE] < 0.2 * 2000
 
 
+def learned_busy(spec) -> tuple[Adaptive, random.Random]:
+    """A policy that learned both pools at 5-15 running only (neither measured at 1-3), and its random stream."""
+    pol = Adaptive(explore=0.03)
+    rng = random.Random(4)
+    for _ in range(100):
+        pol.observe(obs("speculative", S1, rng.randint(5, 15), spec, rng))
+        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
+    return pol, rng
+
+
 def test_light_load_measures_both_pools_alone_before_trusting_the_line():
     # Learned at 5-15 running only: neither pool was ever measured alone. At light load the pool not picked
     # gets LOW_LOAD_EXPLORE of the decisions until it has LOW_LOAD_SAMPLES there (more, its requests scattering by 15%: 11.25,
     # what knows its mean as well as 5 of requests scattering by 10%), then only the usual share.
-    pol = Adaptive(explore=0.03)
-    rng = random.Random(4)
-    for _ in range(100):
-        pol.observe(obs("speculative", S1, rng.randint(5, 15), SEED_SPEC, rng))
-        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
+    pol, rng = learned_busy(SEED_SPEC)
     first = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
     assert (LOW_LOAD_EXPLORE - 0.1) * 400 < first[EXPLORE] < (LOW_LOAD_EXPLORE + 0.1) * 400
     alt = "speculative" if place(pol, 1) == 0 else "baseline"
@@ -522,11 +528,7 @@ def test_light_load_exploration_only_where_the_other_pool_would_run_alone_or_bes
     # would run three: not explored beyond the usual share (at 2 + 1 running on prefill-long's 4 clients that
     # exploration sent 20 of 34 requests where they added a quarter less throughput). With one request in all,
     # it would run alone or beside one: explored.
-    pol = Adaptive(explore=0.03)
-    rng = random.Random(4)
-    for _ in range(100):
-        pol.observe(obs("speculative", S1, rng.randint(5, 15), GOOD_SPEC, rng))
-        pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng))
+    pol, rng = learned_busy(GOOD_SPEC)
     got = Counter(pol.decide(view(2, 2), rng).reason for _ in range(400))
     assert got[EXPLORE] < 0.08 * 400
     near = Counter(pol.decide(view(1, 0), rng).reason for _ in range(400))
