@@ -20,7 +20,7 @@ from router.policy import (
     other,
     sole_pool,
 )
-from router.speedmodel import NEUTRAL, Params, PrefillModel, SpeedModel
+from router.speedmodel import NEUTRAL, Params, PrefillModel, SpeedModel, shrink
 
 OBJECTIVES = ("throughput", "latency")
 # The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
@@ -192,7 +192,15 @@ class Adaptive:
     def stderr(self, b: BackendView) -> float:
         """Relative standard error of the model's speed for one more request on b: its per-request spread
         (shrunk toward PRIOR_SPREAD while it has few samples) over the square root of the samples it holds at
-        that load; UNMEASURED at least where it holds none there (the line's extrapolation)."""
+        that load, busier than LOW_LOAD plus the pseudo-samples that band's estimate is shrunk toward the line by
+        (speedmodel.shrink); UNMEASURED at least where it holds none there (the line's extrapolation).
+
+        Busy, counted on the band's own samples alone, a server whose requests scatter by 60% was 8.5% unsure at 4
+        running with 61 samples there, while its estimate, mostly the line fitted on all 333, was within 1% of
+        the server: the busy tie sat at its 15% cap and 12% more speed per request went to the steadier
+        baseline (prefill-long's 8 clients at 3 + 5 where the best keeps 4 + 4). At light load the line is at its
+        edge, where bands sat 15-30% off it, so only the band's own samples count there (counted as sure as the
+        line, saturating-never's 2 clients went all to the baseline: 0.937x). docs/BENCH.md "s37", "s38"."""
         key = self._key(b)
         if key is None:
             return 0.0
@@ -204,7 +212,8 @@ class Adaptive:
             # Curves from a calibration: measured at every load already, its own samples' scatter only.
             return s / math.sqrt(max(held, 1))
         s = math.sqrt((k * s * s + PRIOR_SPREAD_N * PRIOR_SPREAD ** 2) / (k + PRIOR_SPREAD_N))
-        return s / math.sqrt(held) if held else max(s, UNMEASURED)
+        pseudo = shrink(s) if b.load_estimate + 1 > LOW_LOAD else 0.0
+        return s / math.sqrt(held + pseudo) if held else max(s, UNMEASURED)
 
     def spread(self, b: BackendView) -> float:
         """The published per-request scatter of the model a decision uses for b (0 while it has none)."""

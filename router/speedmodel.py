@@ -40,6 +40,13 @@ SYNC_FIT = 128
 FIT_STEP = 256
 
 
+def shrink(noise: float) -> float:
+    """The pseudo-samples a load band's mean is shrunk toward the line by, for requests scattering by `noise`
+    (relative): the band's estimate weighs its own samples against this many on the line, and is known as well
+    as its samples and these together (the posterior of that shrink: what Adaptive.stderr counts)."""
+    return BAND_SHRINK * max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2)
+
+
 EDGES = (1.0, 1.5, 2.5, 3.5, 8.0, 16.0, 32.0, 64.0, math.inf)  # band k holds loads from EDGES[k] up to EDGES[k + 1]
 
 
@@ -321,7 +328,7 @@ class SpeedModel:
         noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
         yield len(data)
         lim = HUBER * noise
-        shrink = BAND_SHRINK * max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2)
+        pseudo = shrink(noise)
         got: dict[int, float] = {}
         effs: dict[int, float] = {}
         at: dict[int, float] = {}  # where in the band its factor is measured: its samples' mean load
@@ -332,7 +339,7 @@ class SpeedModel:
             if w > 0 and w2 > 0:
                 sr = sum(age * min(max(r, centre - lim), centre + lim) for r, age in rs)
                 eff = w * w / w2
-                got[k] = 1.0 + (sr / w) * eff / (eff + shrink)
+                got[k] = 1.0 + (sr / w) * eff / (eff + pseudo)
                 effs[k] = eff
                 at[k] = min(max(loads[k] / w, EDGES[k]), EDGES[k + 1])
         got = monotone(got, effs, at, a, b)
