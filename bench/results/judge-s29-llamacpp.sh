@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The real llama.cpp pair (prompt-lookup vs plain, bench engines) judged at 1-2 clients.
+# Usage: bash bench/results/judge-s29-llamacpp.sh [NAME]   (default judge-s29-llamacpp; s38 ran it as judge-s38-llamacpp)
 cd "$(dirname "$0")/../.."
 .venv/bin/python -m bench engines > /tmp/judge-engines.out 2>/tmp/judge-engines.err &
 EP=$!
@@ -9,6 +10,6 @@ B=$(grep 'listening on' /tmp/judge-engines.out | sed -n 2p | awk '{print $3}')
 echo "spec $S base $B"
 timeout 2400 .venv/bin/python -m bench judge --speculative "$S" --baseline "$B" --speedup 1 --levels 1,2 \
   --thresholds 1 --repeats 3 --cold-runs 2 --min-requests 8 --rounds 4 --max-tokens 24 --warmup-levels 1,2 \
-  --router-arg=--health-path=/openapi.json --out bench-out --name judge-s29-llamacpp
+  --router-arg=--health-path=/openapi.json --out bench-out --name "${1:-judge-s29-llamacpp}"
 echo "judge rc=$?"
 kill $EP; wait $EP
