@@ -212,7 +212,7 @@ class Adaptive:
             # Curves from a calibration: measured at every load already, its own samples' scatter only.
             return s / math.sqrt(max(held, 1))
         s = math.sqrt((k * s * s + PRIOR_SPREAD_N * PRIOR_SPREAD ** 2) / (k + PRIOR_SPREAD_N))
-        pseudo = shrink(s) if b.load_estimate + 1 > LOW_LOAD else 0.0
+        pseudo = shrink(s) if b.load_estimate >= LOW_LOAD else 0.0
         return s / math.sqrt(held + pseudo) if held else max(s, UNMEASURED)
 
     def spread(self, b: BackendView) -> float:

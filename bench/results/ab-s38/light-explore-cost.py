@@ -8,7 +8,6 @@ and the baseline's at 0.28-0.78, so the last table is the pair's, the first two 
 Run: .venv/bin/python bench/results/ab-s38/light-explore-cost.py"""
 import math
 import random
-import sys
 
 from router.adaptive import Adaptive
 from router.observe import Observation
@@ -18,7 +17,7 @@ S, B = "http://s:1", "http://b:1"
 TOKENS = 24
 
 
-def run(seed: int, spec_tps: float, spec_spread: float, base_tps: float, base_spread: float, n: int) -> list[int]:
+def run(seed: int, spec_tps: float, spec_spread: float, base_tps: float, base_spread: float, n: int) -> list[bool]:
     rng = random.Random(seed)
     pol = Adaptive()
     got = []
@@ -49,4 +48,3 @@ def table(spec_spread: float, base_spread: float, n: int = 160, seeds: int = 30)
 if __name__ == "__main__":
     for sp, bp in ((0.37, 0.10), (0.10, 0.10), (0.37, 0.75)):
         table(sp, bp)
-    sys.exit(0)
