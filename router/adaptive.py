@@ -465,7 +465,7 @@ class Adaptive:
             if (cheap and alt_sc[g] >= EXPLORE_FLOOR * pick_sc[g] and n_alt <= EXPLORE_LOAD and alt.pool not in self.priors
                     and self.model(alt.pool, alt.pool).band_samples(n_alt) < self.low_load_samples(alt)
                     and self.plausible(alt, alt_sc[0], pick, pick_sc[0])
-                    and rng.random() < LOW_LOAD_EXPLORE):
+                    and rng.random() < self.chance(alt, alt_sc[0], pick, pick_sc[0])):
                 return self._send(alt, EXPLORE)
             unfed = self.decisions - self.last_sent.get(alt.pool, 0) > FRESH
             if unfed and rng.random() < self.explore:
@@ -505,6 +505,20 @@ class Adaptive:
         uncertainty of each is its standard error times Student's t for the samples it holds at that load."""
         return (alt_speed * (1 + self.t95(alt) * self.stderr(alt))
                 >= pick_speed * (1 - self.t95(pick) * self.stderr(pick)))
+
+    def chance(self, alt: BackendView, alt_speed: float, pick: BackendView, pick_speed: float) -> float:
+        """The share of light-load decisions `alt` is explored at while it is plausible: the chance it is the faster
+        for this request (Thompson sampling between two), at most LOW_LOAD_EXPLORE. Its log speed's gap to the
+        pick's, over the two models' uncertainty there (plausible's interval, each standard error times Student's t
+        for the samples held, read as 1.96 standard errors of a normal). A flat LOW_LOAD_EXPLORE sent a server 23%
+        slower alone a third to a half of one client's first 64 requests when both servers' requests scattered by
+        40-75% (the llama.cpp pair; docs/BENCH.md "s39")."""
+        width = math.hypot(self.t95(alt) * self.stderr(alt), self.t95(pick) * self.stderr(pick)) / 1.96
+        if alt_speed >= pick_speed or not math.isfinite(width):
+            return LOW_LOAD_EXPLORE
+        if width <= 0:
+            return 0.0
+        return min(LOW_LOAD_EXPLORE, 0.5 * math.erfc(math.log(pick_speed / alt_speed) / (width * math.sqrt(2))))
 
     def t95(self, b: BackendView) -> float:
         key = self._key(b)
