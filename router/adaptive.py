@@ -51,9 +51,9 @@ ACCEPT_Z = 3.0
 # speculative model 1.7x fast when the next figures came in 40% higher (1 of 4 virtual seeds, 1.7-1.8x off
 # after a judge run: docs/BENCH.md "s32"), and a scattered server's long memory kept it there.
 ANCHOR_POLLS = 10
-# Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share
-# LOW_LOAD_EXPLORE of the decisions where that costs little (one pool is otherwise never tried there), and only
-# while it could still be the faster: its speed TIE_Z standard errors up at least the pick's TIE_Z down.
+# Light load (up to LOW_LOAD running): until the other pool has LOW_LOAD_SAMPLES there, it gets a share of the
+# decisions where that costs little (one pool is otherwise never tried there), and only while it could still be
+# the faster (plausible): the chance it is the faster, at most LOW_LOAD_EXPLORE (Adaptive.chance).
 LOW_LOAD = 3
 # ... and only where it would run at most EXPLORE_LOAD (alone or beside one): the loads 1-2 clients are decided
 # at, the furthest from the busier traffic the line is fitted on. At 3 the band borrows from the line and its
@@ -65,7 +65,7 @@ LOW_LOAD_SAMPLES = 5
 # as well), up to MAX_LOW_LOAD_SAMPLES: prefill-long's speculative server (spread ~0.5) judged on 5 draws came
 # out 28% slow alone after a warm-up, and one judge repeat sent it 2% of a one-client level (docs/BENCH.md).
 MAX_LOW_LOAD_SAMPLES = 32
-LOW_LOAD_EXPLORE = 0.5  # a quarter: better on the virtual family, worse on the TP4 split (docs/BENCH.md, "s35")
+LOW_LOAD_EXPLORE = 0.5  # at most (what a tie gets); a flat quarter was worse on the TP4 split (docs/BENCH.md "s35")
 NEAR_TIE = 0.03  # "latency": per-request speeds this close are a tie the models cannot call
 FRESH = 10  # random exploration only of a pool not sent a request in this many decisions
 # The near tie widens by TIE_Z standard errors of the two predictions (capped at MAX_TIE).
