@@ -25,7 +25,7 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
-SLOPE_PRIOR = 0.25  # how far (relative) one more request is believed to move a request's token time off the shape's
+SLOPE_PRIOR = 0.25  # how far (relative) one more request is believed to move a token time off the prior shape (fit)
 MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
 # Memory grows with the requests' own scatter: a mean of N samples scattering by s (relative) is known to about
 # s / sqrt(N), so a model forgets no faster than keeps its curve within MEMORY_TARGET (N = (s / target)^2 samples'
@@ -217,7 +217,7 @@ class SpeedModel:
             for n, y, no in held:
                 data.append((n, y))
                 ages.append(lam ** (last - no))
-        m = len(data)
+        m, age_sum = len(data), sum(ages)
         yield m
         a, b = self.theta
         for _ in range(3):
@@ -233,7 +233,6 @@ class SpeedModel:
             s = max(1.4826 * mad, 0.02)
             # Normal equations of sum w (y - a - b n)^2 with w = age * huber / y_hat^2 (relative errors).
             s00 = s01 = s11 = t0 = t1 = 0.0
-            ws = []
             for i in range(0, m, step):
                 for (n, y), p, lr, age in zip(data[i:i + step], preds[i:i + step], lrs[i:i + step], ages[i:i + step],
                                               strict=True):
@@ -243,7 +242,6 @@ class SpeedModel:
                     dev = abs(lr - med)
                     if dev > HUBER * s:
                         w *= (HUBER * s / dev) ** 2
-                    ws.append(w)
                     s00 += w
                     s01 += w * n
                     s11 += w * n * n
@@ -271,7 +269,7 @@ class SpeedModel:
             # engine's second request as cheap as the prior's 5% for a whole judge level (docs/BENCH.md "s39").
             pa, pb = self.prior if self.prior is not None else NEUTRAL
             r = pb / pa
-            mu = (s / SLOPE_PRIOR) ** 2 * s00 / max(sum(ages), 1e-12)
+            mu = (s / SLOPE_PRIOR) ** 2 * s00 / max(age_sum, 1e-12)
             r00, r01, r11 = s00 + mu * r * r, s01 - mu * r, s11 + mu
             det = r00 * r11 - r01 * r01
             if det > 0:
