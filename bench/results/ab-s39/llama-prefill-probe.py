@@ -1,7 +1,9 @@
 """s39: where the llama.cpp pair's per-request scatter comes from. Each coding prompt (max_tokens 24, streamed) to the
 speculative engine, then to the baseline one, one at a time, no router: whole duration and time to first token.
 Run: .venv/bin/python -m bench engines (two `listening on URL` lines), then
-.venv/bin/python bench/results/ab-s39/llama-prefill-probe.py SPEC_URL BASE_URL   (output: llama-prefill-probe.txt)"""
+.venv/bin/python bench/results/ab-s39/llama-prefill-probe.py SPEC_URL BASE_URL   (output: llama-prefill-probe.txt)
+With `--queue` after the URLs: prompts i and i + 1 both to the baseline engine at once (it serves one request at a
+time), each one's time to first token and duration (output: llama-queue-probe.txt)."""
 import asyncio
 import json
 import sys
@@ -42,5 +44,14 @@ async def main(spec: str, base: str) -> None:
                   f"spec {ds:.2f}s ttft {fs:.2f} | base {db:.2f}s ttft {fb:.2f}", flush=True)
 
 
+async def queue(base: str) -> None:
+    async with aiohttp.ClientSession() as client:
+        await one(client, base, 0)
+        for i in range(0, len(PROMPTS), 2):
+            (da, fa, _), (db, fb, _) = await asyncio.gather(one(client, base, i), one(client, base, i + 1))
+            print(f"{i:2d} together: prompt {i} {da:.2f}s ttft {fa:.2f} | prompt {i + 1} {db:.2f}s ttft {fb:.2f}",
+                  flush=True)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(queue(sys.argv[2]) if sys.argv[3:] == ["--queue"] else main(sys.argv[1], sys.argv[2]))
