@@ -503,8 +503,7 @@ class Adaptive:
         """Could `alt` still be the faster for this request, given how unsure both models are there? A difference
         larger than the two models' uncertainty is acted on: exploring it again costs its whole size. The
         uncertainty of each is its standard error times Student's t for the samples it holds at that load."""
-        return (alt_speed * (1 + self.t95(alt) * self.stderr(alt))
-                >= pick_speed * (1 - self.t95(pick) * self.stderr(pick)))
+        return alt_speed * (1 + self.unsure(alt)) >= pick_speed * (1 - self.unsure(pick))
 
     def chance(self, alt: BackendView, alt_speed: float, pick: BackendView, pick_speed: float) -> float:
         """The share of light-load decisions `alt` is explored at while it is plausible: the chance it is the faster
@@ -513,17 +512,20 @@ class Adaptive:
         for the samples held, read as 1.96 standard errors of a normal). A flat LOW_LOAD_EXPLORE sent a server 23%
         slower alone a third to a half of one client's first 64 requests when both servers' requests scattered by
         40-75% (the llama.cpp pair; docs/BENCH.md "s39")."""
-        width = math.hypot(self.t95(alt) * self.stderr(alt), self.t95(pick) * self.stderr(pick)) / 1.96
+        width = math.hypot(self.unsure(alt), self.unsure(pick)) / 1.96
         if alt_speed >= pick_speed or not math.isfinite(width):
             return LOW_LOAD_EXPLORE
         if width <= 0:
             return 0.0
         return min(LOW_LOAD_EXPLORE, 0.5 * math.erfc(math.log(pick_speed / alt_speed) / (width * math.sqrt(2))))
 
-    def t95(self, b: BackendView) -> float:
+    def unsure(self, b: BackendView) -> float:
+        """How unsure (relative) the model is of b's speed for one more request: its standard error times Student's
+        t (T95) for the samples it holds at that load (plausible's and chance's interval, each side)."""
         key = self._key(b)
         held = 0 if key is None else self.models[key].band_samples(b.load_estimate + 1)
-        return T95[held - 1] if 1 <= held <= len(T95) else (math.inf if held < 1 else TIE_Z)
+        t = T95[held - 1] if 1 <= held <= len(T95) else (math.inf if held < 1 else TIE_Z)
+        return t * self.stderr(b)
 
     def _send(self, b: BackendView, reason: str) -> Decision:
         self.last_sent[b.pool] = self.decisions

@@ -220,6 +220,8 @@ class SpeedModel:
         m, age_sum = len(data), sum(ages)
         yield m
         a, b = self.theta
+        pa, pb = self.prior if self.prior is not None else NEUTRAL
+        r = pb / pa  # the prior shape the slope's ridge pulls toward
         for _ in range(3):
             preds: list[float] = []
             lrs: list[float] = []
@@ -250,7 +252,6 @@ class SpeedModel:
                 yield min(step, m - i)
             if self.prior is not None:
                 # The prior as pseudo-samples at n=1 and n=N_REF, fading as the data comes in.
-                pa, pb = self.prior
                 wp = self.prior_weight * lam ** self.samples / 2
                 for n in (1.0, N_REF):
                     yp = pa + pb * n
@@ -267,8 +268,6 @@ class SpeedModel:
             # busier load); a few requests a whole request apart that took twice as long (a server that serves
             # one at a time) move it. The hard switch before (a load variance of 0.25) kept a serial llama.cpp
             # engine's second request as cheap as the prior's 5% for a whole judge level (docs/BENCH.md "s39").
-            pa, pb = self.prior if self.prior is not None else NEUTRAL
-            r = pb / pa
             mu = (s / SLOPE_PRIOR) ** 2 * s00 / max(age_sum, 1e-12)
             r00, r01, r11 = s00 + mu * r * r, s01 - mu * r, s11 + mu
             det = r00 * r11 - r01 * r01
