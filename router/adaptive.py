@@ -20,6 +20,7 @@ from router.policy import (
     other,
     sole_pool,
 )
+from router.queuelimit import QueueWitness
 from router.speedmodel import NEUTRAL, Params, PrefillModel, SpeedModel, shrink
 
 OBJECTIVES = ("throughput", "latency")
@@ -159,6 +160,8 @@ class Adaptive:
         self.polls: dict[str, int] = {}  # figures folded into each anchor since it was (re)set, up to ANCHOR_POLLS
         self.accept_dev: dict[str, float] = {}  # mean squared relative deviation of the figures from the anchor
         self.prefill: dict[str, PrefillModel] = {}  # by pool name and by backend URL
+        self.reported: set[str] = set()  # backends whose /v1/loads gave their max_running_requests
+        self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
         self.finished = 0
         self.decisions = 0
@@ -327,6 +330,12 @@ class Adaptive:
 
     def observe(self, obs: Observation) -> None:
         """One finished exchange: its seconds per token, against the requests running then; its prefill."""
+        if obs.running_beside is not None and self.max_running is None and obs.url not in self.reported:
+            w = self.witness.setdefault(obs.url, QueueWitness())
+            before = w.limit()
+            w.note(obs.inflight_at_start, obs.running_beside)
+            if w.limit() != before:
+                self._limit(obs.url, obs.pool, w.limit())
         m = self.models.get(obs.url)
         got = sample(obs, m.max_running if m is not None else self.max_running)
         if got is not None:  # so obs.tokens() is known
@@ -360,12 +369,9 @@ class Adaptive:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
         limit = figs.max_running if self.max_running is None else self.max_running
         keys = self._fed(url, pool)
-        for key in keys:
-            m = self.model(key, pool)
-            if limit is not None and m.max_running != limit:
-                m.max_running = limit
-                for name in self._named(key):
-                    self._publish(name, m, 1.0)
+        if limit is not None:
+            self.reported.add(url)
+            self._limit(url, pool, limit)
         if figs.accept_length is not None and figs.accept_length > 0:
             self.accept[url] = figs.accept_length
             if figs.running < ACCEPT_MIN_RUNNING:
@@ -394,6 +400,15 @@ class Adaptive:
         # drifted with the model it was checked against: the seed speculative server was judged 1.8x faster
         # alone than it is. The router's own timings are the samples; /v1/loads gives the running counts (the
         # load signal), max_running_requests (the queue) and the accept length (a drift, at once).
+
+    def _limit(self, url: str, pool: str, limit: int | None) -> None:
+        """b's queue limit, reported or inferred, into the models its samples feed (None: not known)."""
+        for key in self._fed(url, pool):
+            m = self.model(key, pool)
+            if m.max_running != limit:
+                m.max_running = limit
+                for name in self._named(key):
+                    self._publish(name, m, 1.0)
 
     def _fold_accept(self, url: str, x: float, running: int) -> None:
         """One figure within the jump: the anchor is the mean of the first ANCHOR_POLLS, then moves 1/ANCHOR_POLLS
@@ -553,8 +568,9 @@ class Adaptive:
                     "published": {"alpha_s": pub.alpha, "beta_s": pub.beta},
                     "tok_s_alone": round(fit.throughput(1), 1),
                     "tok_s_saturated": round(fit.throughput(fit.max_running or 10**6), 1),
-                    # What decisions use (the published model, its shape included): one request's tok/s at n.
-                    "request_tok_s": {str(n): round(pub.throughput(n) / pub.running(n), 1) for n in STATE_LOADS}}
+                    # What decisions use (the published model, its shape included): one request's tok/s with n
+                    # in flight, beyond max_running its wait in the queue included.
+                    "request_tok_s": {str(n): round(pub.throughput(n) / n, 1) for n in STATE_LOADS}}
 
         def prefill(key: str) -> dict:
             pm = self.prefill.get(key)
@@ -576,6 +592,8 @@ class Adaptive:
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
+            "max_running_from": ("settings" if self.max_running is not None else "loads" if b.url in self.reported
+                                 else "inferred" if self.models[b.url].max_running is not None else None),
             "stall_s": round(self.stall(b), 5),
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,

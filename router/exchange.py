@@ -128,6 +128,8 @@ class Exchange:
         while True:
             b = self.lease.backend
             await self.take_slot()
+            if not stream:
+                self.lease.start()  # no byte shows when it starts to run: counted as running from now
             try:
                 resp = await upstream.send(self.st.client, b.url, path, body,
                                            upstream_headers(self.request, b.api_key))
@@ -293,7 +295,8 @@ class Exchange:
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached, data_events=self.data_events),
+            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
+            running_beside=self.lease.beside if self.ttft is not None else None),
             self.placement)  # cached: None until a usage came
         self.lease.release()
         self.give_slot()

@@ -52,6 +52,9 @@ class Observation:
     # SSE `data:` events of a stream ([DONE] included; 0 when not streamed): an engine that sends no usage chunk
     # (llama-cpp-python ignores stream_options) sends one token per event, so it counts its tokens there.
     data_events: int = 0
+    # Other requests on the backend running (streams past their first token, requests not streamed) when this
+    # one's first token came (None: no first token): with inflight_at_start, whether it waited (router.queuelimit).
+    running_beside: int | None = None
 
     def tokens(self) -> int | None:
         """Completion tokens: the usage's, else a stream's data events but [DONE] (None when neither is known)."""

@@ -46,7 +46,8 @@ class Backend:
     """One SGLang instance. Its in-flight count changes only through Lease objects."""
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
-                 "_inflight", "_pending", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation")
+                 "_inflight", "_pending", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation",
+                 "started")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -61,6 +62,9 @@ class Backend:
         self.last_probe = "not probed yet"  # the last health probe's result in words (/ready, 503 bodies, logs)
         self.probe: object = None  # router.health's own per-backend bookkeeping (path in use, what it logged)
         self._inflight = 0
+        # Leases out whose request is known to run, or may: streams from their first token on, and requests not
+        # streamed (no byte shows when they start) from their sending (Lease.start).
+        self.started = 0
         # Uncached prompt tokens of the leases out that have no first token yet (router.affinity): the prefill
         # queued ahead of a new request.
         self._pending = 0
@@ -173,13 +177,16 @@ class Backend:
 class Lease:
     """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
 
-    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens")
+    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside")
 
     def __init__(self, backend: Backend, now: float, tokens: int = 0) -> None:
         self.backend = backend
         self._released = False
         self._tokens = tokens
         self._t0, self._area0 = now, backend.area(now)
+        # The backend's other started leases when this one started (None: not yet): for a stream, at its first
+        # token, how many ran beside it then (router.queuelimit).
+        self.beside: int | None = None
 
     def mean_inflight(self) -> float:
         """The backend's mean in-flight count (this request included) since the lease was taken."""
@@ -194,13 +201,22 @@ class Lease:
 
     def prefilled(self) -> None:
         """The first token came: its uncached tokens are no longer prefill queued on the backend (once)."""
+        self.start()
         if self._tokens and not self._released:
             self.backend._pending = max(0, self.backend._pending - self._tokens)
             self._tokens = 0
 
+    def start(self) -> None:
+        """Its request runs on the backend now: a stream's first token, or a request not streamed being sent (once)."""
+        if self.beside is None and not self._released:
+            self.beside = self.backend.started
+            self.backend.started += 1
+
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self.beside is not None:
+                self.backend.started -= 1
             self.backend._release(self._tokens)
 
 

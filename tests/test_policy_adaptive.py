@@ -1,6 +1,7 @@
 """The adaptive policy: its speed model as pure functions with tables, its decisions, and the router around it."""
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections import Counter
@@ -15,6 +16,7 @@ from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
 from router.pools import Pools
+from router.queuelimit import QUEUE_WITNESSES, QueueWitness
 from router.speedmodel import MAX_FORGETTING, Params, SpeedModel, band
 
 S1, S2, B1 = "http://s1:1", "http://s2:1", "http://b1:1"
@@ -1086,3 +1088,135 @@ def test_a_scattered_servers_light_band_is_as_unsure_as_its_own_samples():
     assert decide(pol, light, None, random.Random(1)).pool == "speculative"
     busy = view(5, 5)  # among its 200: the band's estimate and its uncertainty are mostly the line's
     assert pol.stderr(busy.speculative[0]) < 0.8 * pol.spread(s) / math.sqrt(pol.models["speculative"].band_samples(6))
+
+
+# ---------------------------------------------------------------- a queue limit no /v1/loads reports
+
+def test_queue_witness_infers_a_serial_server_and_a_batching_one_lifts_it():
+    w = QueueWitness()
+    for _ in range(QUEUE_WITNESSES - 1):
+        w.note(2, 0)  # sent beside one, and nothing else ran when its first token came
+        assert w.limit() is None
+    w.note(1, 0)  # sent alone: it could have shown nothing
+    assert w.limit() is None
+    w.note(3, 0)
+    assert w.limit() == 1
+    w.note(2, 1)  # seen running beside another: not serial after all, and not yet known to stop at 2
+    assert w.most == 2 and w.limit() is None
+    for _ in range(QUEUE_WITNESSES):
+        w.note(3, 1)
+    assert w.limit() == 2
+    # A batching server whose other request sometimes ends during a long prefill: one sighting of both running
+    # ends the count, and it never reaches QUEUE_WITNESSES in a row here.
+    rng = random.Random(4)
+    b = QueueWitness()
+    for _ in range(500):
+        b.note(2, int(rng.random() > 0.3))
+    assert b.limit() is None and b.most == 2
+
+
+def serial_pair(pol: Adaptive, rng: random.Random, requests: int, witness: bool) -> float:
+    """Two servers that serve one request at a time (FIFO, as llama-cpp-python's), two closed-loop clients on the
+    policy; equally fast alone, whole durations scattering by 60% (the prompts' prefill, as the llama.cpp pair's).
+    Returns the share of the decisions taken beside one busy server that went to the idle one."""
+    token_s = {"speculative": 0.06, "baseline": 0.06}
+    url = {"speculative": S1, "baseline": B1}
+    free = {"speculative": 0.0, "baseline": 0.0}  # when each server is done with what it holds
+    out: list[tuple[float, float, float, str, int]] = []  # (end, start, first token, pool, in flight at start)
+    split = beside = 0
+
+    def send(now: float) -> None:
+        nonlocal split, beside
+        busy = {p: sum(1 for r in out if r[3] == p) for p in token_s}
+        p = pol.decide(view(busy["speculative"], busy["baseline"]), rng).pool
+        if sum(busy.values()) == 1:
+            beside += 1
+            split += busy[p] == 0
+        service = 24 * token_s[p] * math.exp(rng.gauss(0, 0.6))
+        begin = max(now, free[p])
+        free[p] = begin + service
+        out.append((begin + service, now, begin + 0.2 * service, p, busy[p] + 1))
+
+    send(0.0)
+    send(0.0)
+    now = 0.0
+    for _ in range(requests):
+        out.sort()
+        end, start, first, p, at_start = out.pop(0)
+        now = end
+        # Serial: whatever else it holds has either ended or not begun when a request's first token comes.
+        at_end = 1 + sum(1 for r in out if r[3] == p)
+        pol.observe(Observation(p, url[p], at_start, at_end, end - start, first - start, 24, 24, True,
+                                running_beside=0 if witness else None))
+        send(now)
+    return split / max(beside, 1)
+
+
+def test_two_serial_servers_without_v1_loads_are_learned_to_queue_and_two_clients_split():
+    """llama-cpp-python's server runs one request at a time and has no /v1/loads: a second request on it waits for
+    the first to end. The router infers that from when first tokens come (router.queuelimit), and at two clients
+    stops sending (or exploring) a second request behind the first on one server beside an idle one (the llama.cpp
+    pair's two clients sent 25-38% to the speculative engine where the best sent 38-62%: docs/BENCH.md "s40").
+    From a cold start, 60 requests each, 20 seeds."""
+    shares = {}
+    for witness in (True, False):
+        got, inferred = [], 0
+        for seed in range(20):
+            pol = Adaptive(explore=0.03)
+            got.append(serial_pair(pol, random.Random(seed), 60, witness))
+            inferred += sum(pol.pool_model(p).max_running == 1 for p in ("speculative", "baseline"))
+        shares[witness] = sum(got) / len(got)
+        assert (inferred >= 20) if witness else inferred == 0  # a limit on a server that got second requests
+    assert shares[True] >= 0.75 and shares[False] <= shares[True] - 0.1
+
+
+def test_a_second_request_is_not_sent_behind_the_first_once_the_server_is_known_to_run_one_at_a_time():
+    """Before: the line through one-running samples prices a second request on the faster server (1.6x alone) at
+    nearly its speed alone, and it goes there. Once the server is inferred to run one request at a time, the second
+    would only wait (priced at half, gaining nothing: no exploration either) and goes to the idle one."""
+    rng = random.Random(1)
+    pol = Adaptive(explore=0.03)
+    for _ in range(6):  # the baseline 1.6x faster alone, both scattering by 60%: worth exploring at 2 running
+        for pool, url, t in (("speculative", S1, 0.06), ("baseline", B1, 0.06 / 1.6)):
+            y = t * math.exp(rng.gauss(0, 0.6))
+            pol.observe(Observation(pool, url, 1, 1, y * 24, y * 4, 24, 24, True))
+    busy = view(0, 1)
+    assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] > 200  # behind the one running
+    for _ in range(QUEUE_WITNESSES):
+        pol.observe(Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, running_beside=0))
+    assert pol.pool_model("baseline").max_running == 1
+    assert pol.state(busy)["backends"][1]["max_running_from"] == "inferred"
+    # Priced at half its speed alone it is still within EXPLORE_FLOOR and could still be the faster, but a queued
+    # request adds no throughput; only the rare exploration of a pool unheard of for a while is left (3%).
+    s_speed, b_speed = pol.score(busy.speculative[0])[0], pol.score(busy.baseline[0])[0]
+    assert s_speed > b_speed > EXPLORE_FLOOR * s_speed
+    assert pol.plausible(busy.baseline[0], b_speed, busy.speculative[0], s_speed)
+    assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] < 25
+    # A /v1/loads figure wins over what was inferred, and ends the inferring.
+    pol.observe_loads(B1, "baseline", LoadFigures(0, 0, None, None, 8))
+    pol.observe(Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, running_beside=0))
+    assert pol.pool_model("baseline").max_running == 8
+    assert pol.state(busy)["backends"][1]["max_running_from"] == "loads"
+
+
+async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_factory):
+    """The control of test_real_engine's serial llama.cpp engine: the simulator batches (SGLang), and with
+    load_signal local no /v1/loads tells the router so. Pairs of streams sent together to it both run: each one
+    sent second had the first streaming beside it when its own first token came, so no limit is inferred."""
+    spec = await sim_factory("eagle3-tp8", speedup=20.0)
+    base = await sim_factory("baseline-tp8", speedup=20.0)
+    router = await router_factory([spec.url], [base.url], policy="adaptive", load_signal="local")
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0) as client:
+
+        async def one() -> None:
+            stream = await client.chat.completions.create(
+                messages=BODY["messages"], model="m", max_tokens=64, stream=True,
+                extra_headers={"X-Router-Pool": "baseline"})
+            assert [c async for c in stream]
+
+        for _ in range(2 * QUEUE_WITNESSES):
+            await asyncio.gather(one(), one())
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
+        backends = {b["pool"]: b for b in (await r.json())["model"]["backends"]}
+    assert (backends["baseline"]["max_running"], backends["baseline"]["max_running_from"]) == (None, None)
+    assert await router.wait_idle() == {spec.url: 0, base.url: 0}

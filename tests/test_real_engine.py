@@ -264,3 +264,27 @@ async def test_default_router_never_cuts_a_stream_on_an_engine_with_its_own_defa
     assert router.state.pools.backends[0].last_probe == "GET /v1/models -> 200"
     routed = await stream_chunks(router.url, max_tokens=48)
     assert len(direct) > 20 and routed == direct
+
+
+async def router_state(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/router/state") as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def test_adaptive_infers_that_the_engine_runs_one_request_at_a_time(engine_pair, router_factory):
+    """llama-cpp-python's server has no /v1/loads and runs one request at a time. Pairs of streams sent together
+    to one engine: the second's first token comes only after the first ended, so nothing ran beside it, and after
+    QUEUE_WITNESSES such requests `adaptive` prices a second request there as a wait (router.queuelimit). The
+    engine no pair was sent to stays unknown."""
+    from router.queuelimit import QUEUE_WITNESSES
+
+    router = await engine_router(router_factory, engine_pair, policy="adaptive")
+    pin = {"X-Router-Pool": "baseline"}
+    for _ in range(QUEUE_WITNESSES):
+        pair = await asyncio.gather(*(stream_chunks(router.url, pin, max_tokens=4) for _ in range(2)))
+        assert all(len(chunks) > 1 for chunks in pair)
+    backends = {b["pool"]: b for b in (await router_state(router.url))["model"]["backends"]}
+    assert (backends["baseline"]["max_running"], backends["baseline"]["max_running_from"]) == (1, "inferred")
+    assert (backends["speculative"]["max_running"], backends["speculative"]["max_running_from"]) == (None, None)
+    assert await router.wait_idle() == {engine_pair.speculative.url: 0, engine_pair.baseline.url: 0}
