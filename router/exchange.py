@@ -296,7 +296,8 @@ class Exchange:
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
             u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=self.lease.beside if self.ttft is not None else None),
+            running_beside=self.lease.beside if self.ttft is not None else None,
+            waited_s=self.lease.waited if self.ttft is not None else None),
             self.placement)  # cached: None until a usage came
         self.lease.release()
         self.give_slot()

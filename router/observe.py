@@ -55,6 +55,9 @@ class Observation:
     # Other requests on the backend running (streams past their first token, requests not streamed) when this
     # one's first token came (None: no first token): with inflight_at_start, whether it waited (router.queuelimit).
     running_beside: int | None = None
+    # Seconds from its start to the latest release of another request on the backend before its first token
+    # (None: none, or no first token): with one place on the backend, its wait.
+    waited_s: float | None = None
 
     def tokens(self) -> int | None:
         """Completion tokens: the usage's, else a stream's data events but [DONE] (None when neither is known)."""

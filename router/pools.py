@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -47,7 +48,7 @@ class Backend:
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
                  "_inflight", "_pending", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation",
-                 "started")
+                 "started", "last_release")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -65,6 +66,7 @@ class Backend:
         # Leases out whose request is known to run, or may: streams from their first token on, and requests not
         # streamed (no byte shows when they start) from their sending (Lease.start).
         self.started = 0
+        self.last_release = -math.inf  # clock() at the latest release: when a place last freed
         # Uncached prompt tokens of the leases out that have no first token yet (router.affinity): the prefill
         # queued ahead of a new request.
         self._pending = 0
@@ -124,7 +126,9 @@ class Backend:
         return Lease(self, now, tokens)
 
     def _release(self, tokens: int = 0) -> None:
-        self._tick(clock())
+        now = clock()
+        self._tick(now)
+        self.last_release = now
         self._inflight -= 1
         self._pending = max(0, self._pending - tokens)
         if self._inflight < 0:
@@ -177,7 +181,7 @@ class Backend:
 class Lease:
     """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
 
-    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside")
+    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside", "waited")
 
     def __init__(self, backend: Backend, now: float, tokens: int = 0) -> None:
         self.backend = backend
@@ -187,6 +191,9 @@ class Lease:
         # The backend's other started leases when this one started (None: not yet): for a stream, at its first
         # token, how many ran beside it then (router.queuelimit).
         self.beside: int | None = None
+        # Seconds from the lease to the backend's latest release before it started (None: none in between): with
+        # one place on the backend, the release that let it start.
+        self.waited: float | None = None
 
     def mean_inflight(self) -> float:
         """The backend's mean in-flight count (this request included) since the lease was taken."""
@@ -211,6 +218,8 @@ class Lease:
         if self.beside is None and not self._released:
             self.beside = self.backend.started
             self.backend.started += 1
+            freed = self.backend.last_release
+            self.waited = freed - self._t0 if freed > self._t0 else None
 
     def release(self) -> None:
         if not self._released:

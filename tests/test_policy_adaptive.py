@@ -1218,3 +1218,17 @@ async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_fa
         backends = {b["pool"]: b for b in (await r.json())["model"]["backends"]}
     assert (backends["baseline"]["max_running"], backends["baseline"]["max_running_from"]) == (None, None)
     assert await router.wait_idle() == {spec.url: 0, base.url: 0}
+
+
+def test_a_request_queued_for_the_one_place_is_a_sample_of_its_prefill_and_decode():
+    """One place on the backend: the release just before its first token let it start, so its time from then on is
+    the server's for it, prefill included. Its decode alone left out the llama.cpp pair's prefill, most of a
+    request there: both engines were learned 5-41% fast alone after a warm-up (docs/BENCH.md "s40"). With more
+    places other requests end during its prefill too, and the decode alone stays its sample."""
+    queued = Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, waited_s=1.0)  # waited 1.0 s, prefill 0.6 s
+    assert sample(queued, 1) == (1.0, pytest.approx(2.0 / 24))
+    assert sample(queued, 2) == (1.5, pytest.approx(3.0 / 24))  # two places: it did not queue, its whole time
+    busier = Observation("baseline", B1, 3, 2, 3.0, 1.6, 24, 24, True, waited_s=1.0)
+    assert sample(busier, 2) == (2.0, pytest.approx(1.4 / 23))
+    unknown = Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True)
+    assert sample(unknown, 1) == (1.0, pytest.approx(1.4 / 23))

@@ -1,0 +1,78 @@
+"""Diagnostic: a cold adaptive router in front of the llama.cpp pair, two closed-loop clients, N requests: which
+engine each request went to, and whether another of ours was in flight there when it was sent.
+
+Usage (repository root): .venv/bin/python bench/results/ab-s40/llama-decisions.py [N]   (output: llama-decisions.txt)
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+
+sys.path.insert(0, ".")
+from bench import engines as eng  # noqa: E402
+from bench.procs import start  # noqa: E402
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+PROMPTS = [json.loads(line)["messages"] for line in open("bench/prompts/coding.jsonl")]
+
+
+async def drive(url: str) -> list[tuple]:
+    recs: list[tuple] = []
+    todo = iter(range(N))
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+
+        async def client() -> None:
+            for i in todo:
+                body = {"model": eng.MODEL_NAME, "messages": PROMPTS[i % len(PROMPTS)], "max_tokens": 24,
+                        "temperature": 0, "stream": True}
+                sent = time.monotonic() - t0
+                first = None
+                async with s.post(url + "/v1/chat/completions", json=body) as resp:
+                    pool = resp.headers["X-Router-Pool"]
+                    async for line in resp.content:
+                        if first is None and line.startswith(b"data:"):
+                            first = time.monotonic() - t0
+                recs.append((i, sent, pool, first - sent, time.monotonic() - t0 - sent))
+
+        await asyncio.gather(client(), client())
+    # Others of ours on the same engine, sent before and not yet ended when this one was sent.
+    return [(i, round(sent, 2), pool, sum(1 for j, s2, p2, _, d2 in recs if j != i and p2 == pool and s2 < sent < s2 + d2),
+             round(ttft, 2), round(dur, 2)) for i, sent, pool, ttft, dur in sorted(recs)]
+
+
+async def main() -> None:
+    model = eng.model_path()
+    engines = [eng.start_engine(model, speculative=s) for s in (True, False)]
+    router = start("router", ["router", "serve", "--speculative", engines[0].url, "--baseline", engines[1].url,
+                              "--port", "0", "--policy", "adaptive", "--health-path", "/openapi.json",
+                              "--load-signal", "backend", "--load-interval", "0.5"])
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):
+                async with s.get(router.url + "/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.2)
+        recs = await drive(router.url)
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as resp:
+            state = await resp.json()
+        for rec in recs:
+            print(*rec)
+        print("doubled:", sum(1 for r in recs if r[3] > 0), "of", len(recs),
+              "spec share", sum(r[2] == "speculative" for r in recs) / len(recs))
+        for b in state["model"]["backends"]:
+            print(b["pool"], b["samples"], b["max_running"], b["max_running_from"], b["tok_s_alone"], b["spread"],
+                  b["request_tok_s"]["1"], b["request_tok_s"]["2"])
+        print("decisions", state["model"]["decisions"])
+    finally:
+        router.stop(grace=5)
+        for e in engines:
+            e.stop()
+
+
+asyncio.run(main())
