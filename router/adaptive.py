@@ -599,6 +599,10 @@ class Adaptive:
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",
             "max_running_from": ("settings" if self.max_running is not None else "loads" if b.url in self.reported
                                  else "inferred" if self.models[b.url].max_running is not None else None),
+            # What the inference has seen (router.queuelimit): the most running at once, and the requests in a
+            # row since that could have shown more and did not.
+            "running_seen": self.witness[b.url].most if b.url in self.witness else None,
+            "queue_witnesses": self.witness[b.url].tries if b.url in self.witness else None,
             "stall_s": round(self.stall(b), 5),
             "predicted_tok_s": round(self.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,

@@ -286,5 +286,7 @@ async def test_adaptive_infers_that_the_engine_runs_one_request_at_a_time(engine
         assert all(len(chunks) > 1 for chunks in pair)
     backends = {b["pool"]: b for b in (await router_state(router.url))["model"]["backends"]}
     assert (backends["baseline"]["max_running"], backends["baseline"]["max_running_from"]) == (1, "inferred")
+    assert backends["baseline"]["running_seen"] == 1 and backends["baseline"]["queue_witnesses"] >= QUEUE_WITNESSES
     assert (backends["speculative"]["max_running"], backends["speculative"]["max_running_from"]) == (None, None)
+    assert backends["speculative"]["running_seen"] is None  # no stream of it has had a first token
     assert await router.wait_idle() == {engine_pair.speculative.url: 0, engine_pair.baseline.url: 0}

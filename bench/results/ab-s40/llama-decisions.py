@@ -66,8 +66,12 @@ async def main() -> None:
         print("doubled:", sum(1 for r in recs if r[3] > 0), "of", len(recs),
               "spec share", sum(r[2] == "speculative" for r in recs) / len(recs))
         for b in state["model"]["backends"]:
-            print(b["pool"], b["samples"], b["max_running"], b["max_running_from"], b["tok_s_alone"], b["spread"],
-                  b["request_tok_s"]["1"], b["request_tok_s"]["2"])
+            print(b["pool"], b["samples"], b["max_running"], b["max_running_from"], b.get("running_seen"),
+                  b.get("queue_witnesses"), b["tok_s_alone"], b["spread"], b["request_tok_s"]["1"], b["request_tok_s"]["2"])
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
+            for line in (await resp.text()).splitlines():
+                if line.startswith("router_route_decisions_total{"):
+                    print(line)
         print("decisions", state["model"]["decisions"])
     finally:
         router.stop(grace=5)
