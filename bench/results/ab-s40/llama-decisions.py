@@ -1,7 +1,8 @@
 """Diagnostic: a cold adaptive router in front of the llama.cpp pair, two closed-loop clients, N requests: which
 engine each request went to, and whether another of ours was in flight there when it was sent.
 
-Usage (repository root): .venv/bin/python bench/results/ab-s40/llama-decisions.py [N]   (output: llama-decisions.txt)
+Run (repository root): .venv/bin/python -m bench engines (two `listening on URL` lines), then
+.venv/bin/python bench/results/ab-s40/llama-decisions.py SPEC_URL BASE_URL [N]   (output: llama-decisions*.txt)
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import time
 import aiohttp
 
 sys.path.insert(0, ".")
-from bench import engines as eng  # noqa: E402
 from bench.procs import start  # noqa: E402
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+SPEC, BASE = sys.argv[1], sys.argv[2]
+N = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+MODEL = "gemma-3-270m"
 PROMPTS = [json.loads(line)["messages"] for line in open("bench/prompts/coding.jsonl")]
 
 
@@ -28,7 +30,7 @@ async def drive(url: str) -> list[tuple]:
 
         async def client() -> None:
             for i in todo:
-                body = {"model": eng.MODEL_NAME, "messages": PROMPTS[i % len(PROMPTS)], "max_tokens": 24,
+                body = {"model": MODEL, "messages": PROMPTS[i % len(PROMPTS)], "max_tokens": 24,
                         "temperature": 0, "stream": True}
                 sent = time.monotonic() - t0
                 first = None
@@ -46,9 +48,7 @@ async def drive(url: str) -> list[tuple]:
 
 
 async def main() -> None:
-    model = eng.model_path()
-    engines = [eng.start_engine(model, speculative=s) for s in (True, False)]
-    router = start("router", ["router", "serve", "--speculative", engines[0].url, "--baseline", engines[1].url,
+    router = start("router", ["router", "serve", "--speculative", SPEC, "--baseline", BASE,
                               "--port", "0", "--policy", "adaptive", "--health-path", "/openapi.json",
                               "--load-signal", "backend", "--load-interval", "0.5"])
     try:
@@ -75,8 +75,6 @@ async def main() -> None:
         print("decisions", state["model"]["decisions"])
     finally:
         router.stop(grace=5)
-        for e in engines:
-            e.stop()
 
 
 asyncio.run(main())
