@@ -38,8 +38,9 @@ def render(results: list[dict], cmd: str) -> str:
                 "",
                 "| concurrency | best fixed (per repeat) | adaptive / best fixed, repeats | min | control: balanced "
                 "again / balanced | control / best fixed (the bar's resolution) | speculative share: adaptive / best | cold start: runs until within 5% (ratios per "
-                "run), requests and seconds before | luck: adaptive / best | luck-adjusted: adaptive / best fixed |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "run), requests and seconds before | luck: adaptive / best | luck-adjusted: adaptive / best fixed | sent behind "
+                "another of the level's: adaptive / best (adaptive's explorations) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, c in enumerate(reps[0]["levels"]):
             rows = [r["rows"][i] for r in reps]
             colds = [r["cold"][i] for r in reps]
@@ -54,13 +55,23 @@ def render(results: list[dict], cmd: str) -> str:
             lucks = ", ".join(f"{row['adaptive_luck']:.2f}/{row['best_luck']:.2f}"
                               if row.get("adaptive_luck") is not None and row.get("best_luck") is not None else "-"
                               for row in rows)
+            behind = ", ".join(_behind(row) for row in rows)
             adjusted = " / ".join(_marked(luck_adjusted(r, i, fit[0])) for r in reps) if fit is not None else "-"
             out.append(f"| {c} | {', '.join(row['best_fixed'] for row in rows)} | "
                        f"{' / '.join(f'{x:.3f}' for x in ratios)} | {'**' if mark < BAR else ''}{mark:.3f}"
                        f"{'**' if mark < BAR else ''} | {controls} | {floor} | "
-                       f"{shares} | {cold} | {lucks} | {adjusted} |")
+                       f"{shares} | {cold} | {lucks} | {adjusted} | {behind} |")
         out += ["", summary(res), *([luck_summary(res, fit)] if fit is not None else []), ""]
     return f"```\n{cmd}\n```\n\n" + "\n".join(out)
+
+
+def _behind(row: dict) -> str:
+    """A row's requests sent behind another: adaptive's / the best's (and adaptive's explorations); - in files
+    written before the judge counted them."""
+    if row.get("adaptive_behind") is None:
+        return "-"
+    explored = sum(v for k, v in (row.get("adaptive_decisions") or {}).items() if k.endswith("/explore"))
+    return f"{row['adaptive_behind']}/{row['best_behind']} ({explored})"
 
 
 def control_vs_best(rep: dict, i: int) -> float:

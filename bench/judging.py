@@ -9,11 +9,13 @@ import random
 import sys
 import time
 
+import aiohttp
+
 from bench import figures, procs
 from bench.cli import run_async, wait_serving
 from bench.family import MEMBERS, describe, steps_per_token
 from bench.load import LoadSpec, build_body, load_prompts, run_closed
-from bench.streams import learned_state
+from bench.streams import learned_state, read_router
 
 FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balanced")
 BAR = 0.95
@@ -44,7 +46,17 @@ class Judge:
         out = {k: fig.get(k) for k in ("concurrency", "output_throughput", "completed", "failed", "duration_s",
                                         "speculative_share", "steady_output_throughput", "median_e2e_latency_ms")}
         out["luck"] = self.luck(spec, run.records)
+        out["behind"] = sent_behind(run.records)
         return out
+
+    async def decided(self, url: str, c: int) -> dict:
+        """A learned router's level, with its decisions there by pool and reason (router_route_decisions_total)."""
+        async with aiohttp.ClientSession() as s:
+            before = (await read_router(s, url)).decisions
+            fig = await self.level(url, c)
+            after = (await read_router(s, url)).decisions
+        fig["decisions"] = {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v > before.get(k, 0)}
+        return fig
 
     def luck(self, spec: LoadSpec, records: list) -> float | None:
         """The mean steps per token of the requests this configuration sent to the speculative server, over
@@ -120,7 +132,9 @@ class Judge:
                 for name, url in routed:
                     if name == "adaptive":
                         time.sleep(SETTLE_S)
-                    out["configs"][name].append(run_async(self.level(url, c)))
+                        out["configs"][name].append(run_async(self.decided(url, c)))
+                    else:
+                        out["configs"][name].append(run_async(self.level(url, c)))
             out["curves"] = curves
             out["learned"] = run_async(learned_state(adaptive))
         self.judge_repeat(out)
@@ -152,6 +166,9 @@ class Judge:
                          "ratio_vs_every_threshold": ad / every if every else 0.0,
                          "adaptive_share": cfgs["adaptive"][i]["speculative_share"],
                          "best_share": cfgs[best_spill if best == "spillover" else best][i]["speculative_share"],
+                         "adaptive_behind": cfgs["adaptive"][i].get("behind"),
+                         "best_behind": cfgs[best_spill if best == "spillover" else best][i].get("behind"),
+                         "adaptive_decisions": cfgs["adaptive"][i].get("decisions"),
                          "adaptive_luck": cfgs["adaptive"][i].get("luck"),
                          "best_luck": cfgs[best_spill if best == "spillover" else best][i].get("luck"),
                          "failed": sum(cfgs[name][i]["failed"] for name in cfgs)})
@@ -213,6 +230,14 @@ class Judge:
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}
+
+
+def sent_behind(records: list) -> int:
+    """How many of a level's requests were sent to a pool while an earlier one of the level's was in flight there:
+    with one server a pool, the requests that shared (or queued on) a server while the other may have been idle.
+    At one client, 0."""
+    ordered = sorted((r for r in records if r.pool is not None), key=lambda r: r.start)
+    return sum(any(o.pool == r.pool and r.start < o.end for o in ordered[:i]) for i, r in enumerate(ordered))
 
 
 def best_threshold(tputs: dict[str, list[float]]) -> tuple[list[float], str]:

@@ -61,6 +61,7 @@ class RouterView:
     upstream_errors: dict[str, float] = field(default_factory=dict)  # kind -> count
     ttft_sum: float = 0.0  # router_time_to_first_token_seconds, all pools
     ttft_count: float = 0.0
+    decisions: dict[str, float] = field(default_factory=dict)  # "pool/reason" -> router_route_decisions_total
 
     @property
     def inflight_total(self) -> float:
@@ -88,6 +89,9 @@ def parse_router_metrics(text: str) -> RouterView:
                 v.ttft_sum += s.value
             elif s.name == "router_time_to_first_token_seconds_count":
                 v.ttft_count += s.value
+            elif s.name == "router_route_decisions_total":
+                key = f"{lab['pool']}/{lab['reason']}"
+                v.decisions[key] = v.decisions.get(key, 0) + s.value
             elif s.name == "router_upstream_errors_total":
                 v.upstream_errors[lab["kind"]] = v.upstream_errors.get(lab["kind"], 0) + s.value
     return v

@@ -248,7 +248,13 @@ def test_judge_a_running_pair_end_to_end(tmp_path):
                for runs in rep["configs"].values())
     assert [r["speculative_share"] for r in rep["configs"]["all-speculative"]] == [1.0, 1.0]
     assert rep["rows"][0]["adaptive_luck"] is None and [len(c["runs"]) for c in rep["cold"]] == [1, 1]
-    assert "mine: adaptive >= 0.95" in (tmp_path / "mine.md").read_text()
+    # At one client nothing is sent behind another; at two on one server, all but the first request of each client
+    # (the other's is in flight then), and adaptive's decisions of each level are counted by reason.
+    assert [r["behind"] for r in rep["configs"]["all-speculative"]] == [0, 3]
+    assert [sum(r["decisions"].values()) for r in rep["configs"]["adaptive"]] == [4, 4]
+    assert all(k.split("/")[0] in ("speculative", "baseline") for r in rep["configs"]["adaptive"] for k in r["decisions"])
+    md = (tmp_path / "mine.md").read_text()
+    assert "mine: adaptive >= 0.95" in md and "| sent behind another" in md
     # --router-arg reaches the routers: one they refuse stops the judge with its one line (exit 2)
     with procs.ProcGroup() as group:
         spec, base = group.add(procs.start("family", ["bench", "family", "--member", "linear-12"], lines=2)).urls
