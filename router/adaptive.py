@@ -167,6 +167,7 @@ class Adaptive:
         self.prefill: dict[str, PrefillModel] = {}  # by pool name and by backend URL
         self.reported: set[str] = set()  # backends whose /v1/loads gave their max_running_requests
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
+        self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
         self.finished = 0
         self.decisions = 0
@@ -246,8 +247,27 @@ class Adaptive:
             # original (the other server alone 2% faster than its line, say) and lost every tie at equal loads,
             # so this pool never got the samples that would end the borrowing (one router sent 15 requests in
             # a row to a speculative server 8x slower than the baseline, which had 2 samples).
-            return replace(src, max_running=self.model(b.pool, b.pool).max_running)
-        return self.published[key]
+            return self.provisional(b, replace(src, max_running=self.model(b.pool, b.pool).max_running))
+        return self.provisional(b, self.published[key])
+
+    def provisional(self, b: BackendView, p: Params) -> Params:
+        """p, or while b's queue limit is not known (none reported, set or inferred yet) and streams were seen, p
+        limited to the most requests b was seen running at once: a request beyond that may wait behind a whole
+        other one (a serial server), and the models' line says nothing of that until it has. Counted as batching
+        (the line's slope from a GPU-like prior), a cold router sent requests behind a running one on the llama.cpp
+        pair while the other engine was idle: 6-10 of its first 40 at two clients (docs/BENCH.md "s40", "s41").
+        A server that does run more shows it the first time it is sent one more (exploration, or every backend
+        busy), and the figure lifts (router.queuelimit)."""
+        if p.max_running is not None or self.max_running is not None or b.url in self.reported or not self.witness:
+            return p
+        w = self.witness.get(b.url)
+        # One not yet seen at all counts as seen running one, once streams are seen on some backend: the first
+        # requests' picks at two clients come before both servers have finished one.
+        most = 1 if w is None else w.most
+        got = self.bounded.get(b.url)
+        if got is None or got[0] is not p or got[1] != most:
+            got = self.bounded[b.url] = (p, most, replace(p, max_running=most))
+        return got[2]
 
     def _fed(self, url: str, pool: str) -> tuple[str, ...]:
         """The models a sample or a load figure of `url` goes into: its own and its pool's. While one instance alone

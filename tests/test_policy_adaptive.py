@@ -1154,20 +1154,25 @@ def serial_pair(pol: Adaptive, rng: random.Random, requests: int, witness: bool)
 
 def test_two_serial_servers_without_v1_loads_are_learned_to_queue_and_two_clients_split():
     """llama-cpp-python's server runs one request at a time and has no /v1/loads: a second request on it waits for
-    the first to end. The router infers that from when first tokens come (router.queuelimit), and at two clients
-    stops sending (or exploring) a second request behind the first on one server beside an idle one (the llama.cpp
+    the first to end. Until a server is seen running two at once the router counts a second request there as
+    queued (Adaptive.provisional), and one seen three times not to infers its limit (router.queuelimit); at two
+    clients it then stops sending a second request behind the first on one server beside an idle one (the llama.cpp
     pair's two clients sent 25-38% to the speculative engine where the best sent 38-62%: docs/BENCH.md "s40").
-    From a cold start, 60 requests each, 20 seeds."""
+    From a cold start, 60 requests each, 20 seeds. Without streams (nothing seen running) the line's GPU-like slope
+    prices a second request at nearly its speed alone."""
     shares = {}
     for witness in (True, False):
-        got, inferred = [], 0
+        got = []
         for seed in range(20):
             pol = Adaptive(explore=0.03)
             got.append(serial_pair(pol, random.Random(seed), 60, witness))
-            inferred += sum(pol.pool_model(p).max_running == 1 for p in ("speculative", "baseline"))
+            for p, url in (("speculative", S1), ("baseline", B1)):
+                w = pol.witness.get(url)
+                # a limit exactly where three requests sent behind another showed no more running
+                assert pol.pool_model(p).max_running == (1 if w is not None and w.tries >= 3 else None)
+                assert (w is not None) == witness
         shares[witness] = sum(got) / len(got)
-        assert (inferred >= 20) if witness else inferred == 0  # a limit on a server that got second requests
-    assert shares[True] >= 0.75 and shares[False] <= shares[True] - 0.1
+    assert shares[True] >= 0.9 and shares[False] <= shares[True] - 0.2
 
 
 def test_a_second_request_is_not_sent_behind_the_first_once_the_server_is_known_to_run_one_at_a_time():
@@ -1195,6 +1200,31 @@ def test_a_second_request_is_not_sent_behind_the_first_once_the_server_is_known_
     pol.observe(Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, running_beside=0))
     assert pol.pool_model("baseline").max_running == 8
     assert pol.state(busy)["backends"][1]["max_running_from"] == "loads"
+
+
+def test_a_server_not_yet_seen_running_two_is_priced_as_if_a_second_request_would_wait():
+    """Before any limit is inferred: once streams are seen, a server seen running one request at most prices one
+    more beside it at its wait (Adaptive.provisional), so the idle one gets it; a server seen running two is priced
+    by its line again (the first exploration beside another shows a batching one that)."""
+    rng = random.Random(2)
+    pol = Adaptive(explore=0.03)
+    for _ in range(6):  # the baseline 1.3x faster alone: below 2x, a second request there only waits
+        for pool, url, t in (("speculative", S1, 0.06), ("baseline", B1, 0.06 / 1.3)):
+            y = t * math.exp(rng.gauss(0, 0.1))
+            pol.observe(Observation(pool, url, 1, 1, y * 24, y * 4, 24, 24, True, running_beside=0))
+    busy = view(0, 1)
+    assert pol.pool_model("baseline").max_running is None  # nothing inferred: no request was sent behind another
+    assert pol.params(busy.baseline[0]).max_running == 1 and pol.score(busy.baseline[0])[1] == 0.0
+    assert Counter(pol.decide(busy, rng).pool for _ in range(400))["speculative"] > 370
+    # Seen running two at once: a batching server, priced by its line (1.3x alone, nearly as fast beside one).
+    pol.observe(Observation("baseline", B1, 2, 2, 24 * 0.05, 0.2, 24, 24, True, running_beside=1))
+    assert pol.params(busy.baseline[0]).max_running == 2 and pol.score(busy.baseline[0])[1] > 0.0
+    # (a share, not all: one sample at two running leaves that band unsure, and the idle one is explored)
+    assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] > 120
+    # Without streams (running_beside None: nothing seen) nothing is bounded.
+    cold = Adaptive(explore=0.03)
+    cold.observe(Observation("baseline", B1, 1, 1, 1.0, 0.2, 24, 24, True))
+    assert cold.params(busy.baseline[0]).max_running is None
 
 
 async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_factory):
