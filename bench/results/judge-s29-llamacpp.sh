@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real llama.cpp pair (prompt-lookup vs plain, bench engines) judged at 1-2 clients.
-# Usage: bash bench/results/judge-s29-llamacpp.sh [NAME]   (default judge-s29-llamacpp; s38 ran it as judge-s38-llamacpp)
+# Usage: bash bench/results/judge-s29-llamacpp.sh [NAME] [REQUESTS]   (default judge-s29-llamacpp, 8 requests a level;
+# s38 ran it as judge-s38-llamacpp; s41 also with 24 requests a level)
 cd "$(dirname "$0")/../.."
 .venv/bin/python -m bench engines > /tmp/judge-engines.out 2>/tmp/judge-engines.err &
 EP=$!
@@ -9,7 +10,7 @@ S=$(grep 'listening on' /tmp/judge-engines.out | sed -n 1p | awk '{print $3}')
 B=$(grep 'listening on' /tmp/judge-engines.out | sed -n 2p | awk '{print $3}')
 echo "spec $S base $B"
 timeout 2400 .venv/bin/python -m bench judge --speculative "$S" --baseline "$B" --speedup 1 --levels 1,2 \
-  --thresholds 1 --repeats 3 --cold-runs 2 --min-requests 8 --rounds 4 --max-tokens 24 --warmup-levels 1,2 \
+  --thresholds 1 --repeats 3 --cold-runs 2 --min-requests "${2:-8}" --rounds 4 --max-tokens 24 --warmup-levels 1,2 \
   --router-arg=--health-path=/openapi.json --out bench-out --name "${1:-judge-s29-llamacpp}"
 echo "judge rc=$?"
 kill $EP; wait $EP
