@@ -9,7 +9,7 @@ for i in $(seq 1 120); do [ "$(grep -c 'listening on' /tmp/judge-engines.out)" -
 S=$(grep 'listening on' /tmp/judge-engines.out | sed -n 1p | awk '{print $3}')
 B=$(grep 'listening on' /tmp/judge-engines.out | sed -n 2p | awk '{print $3}')
 echo "spec $S base $B"
-timeout 2400 .venv/bin/python -m bench judge --speculative "$S" --baseline "$B" --speedup 1 --levels 1,2 \
+timeout $((300 * ${2:-8})) .venv/bin/python -m bench judge --speculative "$S" --baseline "$B" --speedup 1 --levels 1,2 \
   --thresholds 1 --repeats 3 --cold-runs 2 --min-requests "${2:-8}" --rounds 4 --max-tokens 24 --warmup-levels 1,2 \
   --router-arg=--health-path=/openapi.json --out bench-out --name "${1:-judge-s29-llamacpp}"
 echo "judge rc=$?"
