@@ -585,8 +585,9 @@ class Adaptive:
         return self.model(pool, pool)
 
     def state(self, view: View) -> dict:
-        def describe(key: str, pool: str) -> dict:
+        def describe(key: str, pool: str, b: BackendView | None = None) -> dict:
             m, pub = self.model(key, pool), self.published[key]
+            priced = pub if b is None else self.provisional(b, pub)
             fit = m.params()
             return {"alpha_s": fit.alpha, "beta_s": fit.beta, "max_running": fit.max_running,
                     "samples": m.samples, "error": round(m.err, 4), "spread": round(self.spreads[key], 4),
@@ -595,7 +596,10 @@ class Adaptive:
                     "tok_s_saturated": round(fit.throughput(fit.max_running or 10**6), 1),
                     # What decisions use (the published model, its shape included): one request's tok/s with n
                     # in flight, beyond max_running its wait in the queue included.
-                    "request_tok_s": {str(n): round(pub.throughput(n) / n, 1) for n in STATE_LOADS}}
+                    "request_tok_s": {str(n): round(priced.throughput(n) / n, 1) for n in STATE_LOADS},
+                    # The queue limit decisions price with: the model's, or while none is known the most seen
+                    # running at once (provisional).
+                    "priced_max_running": priced.max_running}
 
         def prefill(key: str) -> dict:
             pm = self.prefill.get(key)
@@ -613,7 +617,7 @@ class Adaptive:
             pools[pool] = describe(pool, pool) | prefill(pool) | {
                 "predicted_tok_s": round(self.predicted(members), 1),
                 "accept_length": self.accept_length(members)}
-        backends = [describe(b.url, b.pool) | prefill(b.url) | {
+        backends = [describe(b.url, b.pool, b) | prefill(b.url) | {
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.accept.get(b.url),
             "uses": "instance" if self.models[b.url].samples >= MIN_INSTANCE_SAMPLES else "pool",

@@ -1247,6 +1247,7 @@ async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_fa
     async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
         backends = {b["pool"]: b for b in (await r.json())["model"]["backends"]}
     assert (backends["baseline"]["max_running"], backends["baseline"]["max_running_from"]) == (None, None)
+    assert backends["baseline"]["running_seen"] >= 2 and backends["baseline"]["priced_max_running"] >= 2
     assert await router.wait_idle() == {spec.url: 0, base.url: 0}
 
 

@@ -289,4 +289,6 @@ async def test_adaptive_infers_that_the_engine_runs_one_request_at_a_time(engine
     assert backends["baseline"]["running_seen"] == 1 and backends["baseline"]["queue_witnesses"] >= QUEUE_WITNESSES
     assert (backends["speculative"]["max_running"], backends["speculative"]["max_running_from"]) == (None, None)
     assert backends["speculative"]["running_seen"] is None  # no stream of it has had a first token
+    # ... yet, streams seen, a second request on it is priced as a wait until it is seen running two
+    assert backends["speculative"]["priced_max_running"] == 1 and backends["baseline"]["priced_max_running"] == 1
     assert await router.wait_idle() == {engine_pair.speculative.url: 0, engine_pair.baseline.url: 0}
