@@ -292,12 +292,14 @@ class Exchange:
         # A stream is finished only by its [DONE]; a buffered answer (no watchdog) by its whole body.
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
         u = self.usage
+        # What ran beside it, and its wait for a place, are read at its first token: a stream's only.
+        streamed = self.ttft is not None
         self.st.pools.report_done(b, Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
             u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=self.lease.beside if self.ttft is not None else None,
-            waited_s=self.lease.waited if self.ttft is not None else None),
+            running_beside=self.lease.beside if streamed else None,
+            waited_s=self.lease.waited if streamed else None),
             self.placement)  # cached: None until a usage came
         self.lease.release()
         self.give_slot()
