@@ -132,9 +132,8 @@ class Judge:
                 for name, url in routed:
                     if name == "adaptive":
                         time.sleep(SETTLE_S)
-                        out["configs"][name].append(run_async(self.decided(url, c)))
-                    else:
-                        out["configs"][name].append(run_async(self.level(url, c)))
+                    measure = self.decided if name == "adaptive" else self.level
+                    out["configs"][name].append(run_async(measure(url, c)))
             out["curves"] = curves
             out["learned"] = run_async(learned_state(adaptive))
         self.judge_repeat(out)
@@ -153,7 +152,8 @@ class Judge:
             fixed = {name: figures.tput(cfgs[best_spill if name == "spillover" else name][i]) for name in FIXED}
             best = max(fixed, key=fixed.get)
             every = max([*fixed.values(), best_each[i]])
-            ad = figures.tput(cfgs["adaptive"][i])
+            top, ours = cfgs[best_spill if best == "spillover" else best][i], cfgs["adaptive"][i]
+            ad = figures.tput(ours)
             again = figures.tput(cfgs["balanced-again"][i])
             control = again / fixed["balanced"] if fixed["balanced"] else 0.0
             # The bar applied to the control: a second router routing exactly as `balanced` does, against the best
@@ -164,13 +164,10 @@ class Judge:
                          "adaptive": ad,
                          "ratio": ad / fixed[best] if fixed[best] else 0.0,
                          "ratio_vs_every_threshold": ad / every if every else 0.0,
-                         "adaptive_share": cfgs["adaptive"][i]["speculative_share"],
-                         "best_share": cfgs[best_spill if best == "spillover" else best][i]["speculative_share"],
-                         "adaptive_behind": cfgs["adaptive"][i].get("behind"),
-                         "best_behind": cfgs[best_spill if best == "spillover" else best][i].get("behind"),
-                         "adaptive_decisions": cfgs["adaptive"][i].get("decisions"),
-                         "adaptive_luck": cfgs["adaptive"][i].get("luck"),
-                         "best_luck": cfgs[best_spill if best == "spillover" else best][i].get("luck"),
+                         "adaptive_share": ours["speculative_share"], "best_share": top["speculative_share"],
+                         "adaptive_behind": ours.get("behind"), "best_behind": top.get("behind"),
+                         "adaptive_decisions": ours.get("decisions"),
+                         "adaptive_luck": ours.get("luck"), "best_luck": top.get("luck"),
                          "failed": sum(cfgs[name][i]["failed"] for name in cfgs)})
         out["rows"] = rows
 
