@@ -82,12 +82,22 @@ SPREAD_BAND = 0.01  # the published spread moves only by more than this; busier 
 # ~100 samples is itself known to ~12%, and two servers that scatter alike (30% each) are not told apart by it.
 SPREAD_APART = 0.25
 MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle samples; before, its pool's
+# The prompt as a covariate: a sample's duration is moved by what its prompt's prefill costs beyond a typical
+# prompt's (the prefill model's per-token seconds times its uncached tokens minus the mix's), once the prefill
+# model holds COVARIATE_SAMPLES idle samples. On the llama.cpp pair one request's seconds per token scatter by
+# 0.36-0.38 (log sd), nearly all of it the prompt (the same prompt twice: 0.04); moved so, 0.18 and 0.26
+# (bench/results/ab-s41/engine-scatter.txt), and 20-45 samples no longer leave a model 15-40% off.
+COVARIATE_SAMPLES = 8
+EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
+PROMPT_MIX_MEMORY = 100  # the typical prompt: an EWMA of every request's uncached tokens over about this many
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
 
 
-def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | None:
+def sample(obs: Observation, limit: int | None = None, shift: float = 0.0) -> tuple[float, float] | None:
     """What one finished exchange says of its server: (n running, seconds per token per request), or None
-    when it says nothing usable. `limit`: the server's max_running_requests, if known.
+    when it says nothing usable. `limit`: the server's max_running_requests, if known. `shift`: seconds its
+    prompt's prefill cost beyond a typical prompt's (Adaptive.prompt_shift), taken off a duration that holds
+    its prefill, at most its time to first token (what its prefill can have taken; its wait not included).
 
     The whole duration counts, time to first token included: what the router maximises is closed-loop
     throughput, X = n * tokens / duration (Little's law), so a server slower to start a request (prefill,
@@ -99,7 +109,8 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
         return None
     if obs.ttft_s is not None and obs.ttft_s > obs.duration_s:
         return None
-    y = obs.duration_s / tokens
+    # Not streamed, nothing says how much of it was prefill: at most half.
+    y = (obs.duration_s - min(shift, obs.duration_s / 2 if obs.ttft_s is None else obs.ttft_s)) / tokens
     # The load it ran under: the time-weighted mean when measured (at a level's ramp or drain, start and end
     # counts of 5 and 52, or 51 and 2, stood for a request that ran with ~50 nearly all along).
     mean = obs.inflight_mean
@@ -118,12 +129,22 @@ def sample(obs: Observation, limit: int | None = None) -> tuple[float, float] | 
             # One place: the release just before its first token let it start (nothing else ran there), so from
             # then on it is the server's whole time for it, its prefill included. Its decode alone left the
             # llama.cpp pair's prompts' prefill out: both engines were learned 5-41% fast alone (s40).
-            return 1.0, (obs.duration_s - obs.waited_s) / tokens
+            return 1.0, (obs.duration_s - obs.waited_s - min(shift, obs.ttft_s - obs.waited_s)) / tokens
         return float(limit), (obs.duration_s - obs.ttft_s) / (tokens - 1)
     if limit is not None and n > limit:
         # It ran at once, in a batch of `limit` (the rest waited behind it): the token time at the limit.
         n = float(limit)
     return n, y
+
+
+def uncached_tokens(obs: Observation) -> int | None:
+    """The prompt tokens its server had to prefill: the usage's prompt (else the router's estimate from its
+    bytes) less the cached ones (reported, else what the prefix index expected); None when no size is known."""
+    prompt = obs.prompt_tokens if obs.prompt_tokens is not None else obs.estimated_prompt_tokens
+    if not prompt:
+        return None
+    cached = obs.cached_tokens if obs.cached_tokens is not None else obs.expected_cached_tokens
+    return max(0, prompt - (cached or 0))
 
 
 class Adaptive:
@@ -164,11 +185,13 @@ class Adaptive:
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
         self.polls: dict[str, int] = {}  # figures folded into each anchor since it was (re)set, up to ANCHOR_POLLS
         self.accept_dev: dict[str, float] = {}  # mean squared relative deviation of the figures from the anchor
-        self.prefill: dict[str, PrefillModel] = {}  # by pool name and by backend URL
+        self.prefill: dict[str, PrefillModel] = {}  # by pool name, by backend URL, and EVERY
         self.reported: set[str] = set()  # backends whose /v1/loads gave their max_running_requests
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
         self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
+        self.prompt_mix = 0.0  # EWMA of every request's uncached prompt tokens: the typical prompt (prompt_shift)
+        self.prompts = 0
         self.finished = 0
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
@@ -362,23 +385,41 @@ class Adaptive:
             if w.limit() != before:
                 self._limit(obs.url, obs.pool, w.limit())
         m = self.models.get(obs.url)
-        got = sample(obs, m.max_running if m is not None else self.max_running)
+        uncached = uncached_tokens(obs)
+        got = sample(obs, m.max_running if m is not None else self.max_running,
+                     self.prompt_shift(obs.url, obs.pool, uncached))
         if got is not None:  # so obs.tokens() is known
             self._fold(obs.pool, obs.url, got[0], got[1])
             self.finished += 1
             self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
-        if not obs.ok or not obs.prompt_tokens:
+        if not obs.ok or uncached is None:
             return
-        cached = obs.cached_tokens if obs.cached_tokens is not None else obs.expected_cached_tokens
-        uncached = max(0, obs.prompt_tokens - (cached or 0))
+        self.prompts += 1
+        self.prompt_mix += max(1.0 / PROMPT_MIX_MEMORY, 1.0 / self.prompts) * (uncached - self.prompt_mix)
         alone = obs.inflight_at_start == 1 and obs.ttft_s is not None and 0 < obs.ttft_s <= obs.duration_s
-        for key in (obs.url, obs.pool):
+        for key in (obs.url, obs.pool, EVERY):
             pm = self.prefill.get(key)
             if pm is None:
                 pm = self.prefill[key] = PrefillModel(self.forgetting)
             pm.note(uncached)
             if alone:
                 pm.update(uncached, obs.ttft_s)
+
+    def prompt_shift(self, url: str, pool: str, uncached: int | None) -> float:
+        """Seconds a prompt of `uncached` tokens costs on this server beyond the typical prompt (negative when
+        shorter): its prefill model's per-token seconds times the difference; 0 until that model is measured
+        (COVARIATE_SAMPLES) or prompts do not vary: the instance's model, else its pool's, else all servers'
+        together (a pool that drew three long prompts first is moved before its own model is measured: judged
+        on them unmoved, it fell out of exploration for good). Both pools' samples are moved to the one typical
+        prompt, so which prompts each happened to draw does not decide which looks faster."""
+        if uncached is None:
+            return 0.0
+        for key in (url, pool, EVERY):
+            pm = self.prefill.get(key)
+            if pm is not None and pm.samples >= COVARIATE_SAMPLES:
+                k = pm.per_token()
+                return 0.0 if k is None else k * (uncached - self.prompt_mix)
+        return 0.0
 
     def stall(self, b: BackendView) -> float:
         """Seconds one more request's prefill would hold up each request running on b (its prefill forward,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from router.observe import LoadFigures, Observation
 from router.policy import FAILOVER, PINNED, BackendView, Decision, View, healthy
-from router.prefix import BLOCK_BYTES, IMAGE, NO_TEXT, TOKEN_IDS, PrefixIndex, Prompt
+from router.prefix import BLOCK_BYTES, IMAGE, NO_TEXT, TEXT, TOKEN_IDS, PrefixIndex, Prompt
 
 # Why the instance (or pool) was chosen, a closed set (router_prefix_decisions_total's reason label).
 AFFINITY = "prefix_affinity"  # an instance holding more of the prompt than the least loaded one won
@@ -140,9 +140,11 @@ class Affinity:
 
     def place(self, d: Decision, view: View, prompt: Prompt, rng: random.Random) -> tuple[Decision, Placement]:
         """Adjust the policy's decision `d` for this prompt (see the module line)."""
-        if not prompt.hashed:
-            return d, Placement(prompt.kind if prompt.kind != "text" else NO_MATCH, prompt)
         ptok = int(prompt.nbytes / self.bytes_per_token)
+        if not prompt.hashed:
+            # Shorter than a block: nothing to match, but its size still estimates its prefill (router.adaptive).
+            return d, Placement(prompt.kind if prompt.kind != TEXT else NO_MATCH, prompt,
+                                prompt_tokens=ptok if prompt.kind == TEXT else 0)
         pool = d.pool
         cands = healthy(view.pool(pool)) or [d.backend]
         b, t, depth, reason = self.best(cands, prompt, ptok, rng)

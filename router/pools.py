@@ -364,7 +364,8 @@ class Pools:
         if obs.ok:
             self._outcome(backend, outlier.SUCCESS, None)
         if placement is not None and obs.cached_tokens is None:
-            obs = replace(obs, expected_cached_tokens=placement.expected_cached)
+            obs = replace(obs, expected_cached_tokens=placement.expected_cached,
+                          estimated_prompt_tokens=placement.prompt_tokens or None)
         self.policy.observe(obs)
         if self.learner is None:
             self.policy.learn(None)

@@ -92,3 +92,78 @@ def test_pools_pass_the_index_expectation_to_the_policy_only_when_the_backend_re
     assert pol.prefill["baseline"].uncached == pytest.approx(500)
     pools.report_done(pools.by_url[S1], alone("speculative", S1, SPEC, 0.1, prompt=3000, cached=0), placement)
     assert pol.prefill["speculative"].uncached == pytest.approx(3000)  # the backend's own figure wins
+
+
+def test_a_sample_is_moved_by_what_its_prompt_cost_beyond_the_typical_at_most_its_first_token():
+    """sample()'s shift: seconds taken off (or added to) a duration holding the request's prefill; at most its
+    time to first token, at most half a duration not streamed, and after a wait in a one-place queue at most the
+    first token's time past the wait. mutmut: the shift dropped, either cap dropped or swapped."""
+    from router.adaptive import sample
+
+    o = Observation("baseline", B1, 1, 1, 2.4, 0.6, 24, 24, True)
+    assert sample(o, None, 0.3) == (1.0, pytest.approx(2.1 / 24))
+    assert sample(o, None, 5.0) == (1.0, pytest.approx(1.8 / 24))  # its prefill took at most its first token
+    assert sample(o, None, -0.4) == (1.0, pytest.approx(2.8 / 24))  # a short prompt: as if it were typical
+    unstreamed = Observation("baseline", B1, 1, 1, 2.4, None, 24, 1, True)
+    assert sample(unstreamed, None, 5.0) == (1.0, pytest.approx(1.2 / 24))
+    waited = Observation("baseline", B1, 2, 2, 3.0, 1.0, 24, 24, True, waited_s=0.5)
+    assert sample(waited, 1, 0.2) == (1.0, pytest.approx(2.3 / 24))
+    assert sample(waited, 1, 2.0) == (1.0, pytest.approx(2.0 / 24))
+    assert sample(Observation("baseline", B1, 1, 1, 2.4, 0.6, 24, 24, True), None) == (1.0, pytest.approx(0.1))
+
+
+def test_the_estimated_prompt_size_counts_when_the_usage_gave_none():
+    from router.adaptive import uncached_tokens
+
+    def obs(**kw):
+        return Observation("baseline", B1, 1, 1, 1.0, 0.1, None, 5, True, data_events=6, **kw)
+
+    assert uncached_tokens(obs()) is None
+    assert uncached_tokens(obs(estimated_prompt_tokens=300)) == 300
+    assert uncached_tokens(obs(estimated_prompt_tokens=300, expected_cached_tokens=100)) == 200
+    assert uncached_tokens(obs(prompt_tokens=500, estimated_prompt_tokens=300, cached_tokens=450)) == 50
+
+
+def learn_pair(monkeypatch, covariate: bool) -> dict:
+    """Two servers alike (24 tokens decoded at 0.04 s each after a prefill of 0.05 s + 12.5 ms a prompt token,
+    the llama.cpp pair's: bench/results/ab-s41/engine-scatter.txt), no usage, each first served ten prompts of
+    every size, then by luck the speculative one only long prompts and the baseline only short ones."""
+    import router.adaptive as adaptive
+
+    if not covariate:
+        monkeypatch.setattr(adaptive, "COVARIATE_SAMPLES", 10**9)
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(5)
+
+    def serve(pool, url, u):
+        ttft = 0.05 + 0.0125 * u
+        dur = (ttft + 24 * 0.04) * rng.lognormvariate(0, 0.04)
+        pol.observe(Observation(pool, url, 1, 1, dur, ttft, None, 24, True, data_events=25,
+                                estimated_prompt_tokens=u))
+
+    for _ in range(10):
+        serve("speculative", S1, rng.randint(24, 216))
+        serve("baseline", B1, rng.randint(24, 216))
+    for _ in range(20):
+        serve("speculative", S1, rng.randint(160, 216))
+        serve("baseline", B1, rng.randint(24, 60))
+    return pol.state(view(0, 0))["pools"]
+
+
+def test_which_prompts_a_server_happened_to_draw_does_not_decide_which_looks_faster(monkeypatch):
+    """The prompt as a covariate (Adaptive.prompt_shift): both servers' samples are moved to the typical prompt by
+    the prefill model's per-token seconds, so the two alike are learned alike (within 5%) though one drew 3-5x
+    longer prompts; unmoved, that luck made the speculative one half as fast. A server with no prefill model of
+    its own yet is moved by every server's together. mutmut: the shift not passed to sample(), the mix not
+    updated, the per-token slope or the EVERY fallback dropped."""
+    moved = learn_pair(monkeypatch, covariate=True)
+    assert moved["speculative"]["tok_s_alone"] == pytest.approx(moved["baseline"]["tok_s_alone"], rel=0.05)
+    assert moved["baseline"]["prefill_s_per_ktok"] == pytest.approx(12.5, rel=0.05)
+    pol = Adaptive(explore=0.0)
+    for u in range(24, 224, 20):
+        pol.observe(Observation("speculative", S1, 1, 1, 4.0, 0.05 + 0.0125 * u, None, 24, True, data_events=25,
+                                estimated_prompt_tokens=u))
+    assert "baseline" not in pol.prefill and pol.prompt_mix > 0
+    assert pol.prompt_shift(B1, "baseline", 300) == pytest.approx(0.0125 * (300 - pol.prompt_mix), rel=1e-3)
+    unmoved = learn_pair(monkeypatch, covariate=False)
+    assert unmoved["speculative"]["tok_s_alone"] < 0.75 * unmoved["baseline"]["tok_s_alone"]

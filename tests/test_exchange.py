@@ -720,6 +720,7 @@ async def test_each_prefix_placement_is_counted_with_its_prompt_and_expected_cac
     assert first.prompt.hashed and short is not None and not short.prompt.hashed
     assert (first.reason, second.reason) == ("single", "single")
     assert first.prompt_tokens == second.prompt_tokens == int(first.prompt.nbytes / 4.0) > 0
+    assert short.prompt_tokens == int(short.prompt.nbytes / 4.0) > 0  # not hashed, still an estimate of its size
     assert first.expected_cached == 0 < second.expected_cached
     m = router.metric
     assert m("router_prefix_decisions_total", pool="speculative", reason="single") == 2
@@ -751,6 +752,9 @@ async def test_a_stream_without_usage_counts_its_tokens_by_its_data_events(raw_b
     async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
         learned = (await r.json())["model"]
     assert learned["pools"][obs.pool]["samples"] == 1 and learned["tokens_per_request"] == 4
+    # No usage, so no prompt_tokens: the prompt's size is the router's estimate from its bytes (a prompt shorter
+    # than a prefix block included), and the prefill model learns from it (adaptive's prompt covariate).
+    assert obs.prompt_tokens is None and learned["pools"][obs.pool]["prefill_samples"] == 1
 
 
 def test_observation_tokens_prefers_the_usage_and_needs_a_stream_for_the_fallback():

@@ -1,0 +1,67 @@
+"""s42: the prompt covariate on the pure policy, replayed on the llama.cpp pair's measured requests (no servers).
+
+One client: every decision sees both backends idle; the chosen engine serves one prompt drawn at random from the 36
+measured in bench/results/ab-s41/engine-scatter.txt (its seconds per token and time to first token there, times a
+0.04 log-sd draw: the same prompt twice), 24 tokens, and the router's prompt-size estimate (the table's tokens).
+The speculative engine's decode (its time after the first token) is slowed by SLOW, as the judge's repeats found
+it 0-13% slower alone than the baseline (the scatter table has them tied). Per block of 24 requests (a judge level
+at 24): the share sent to the slower engine and the throughput against all-baseline, with the covariate and
+without (COVARIATE_SAMPLES set out of reach), over 40 seeds.
+Run: .venv/bin/python bench/results/ab-s42/covariate-replay.py"""
+import math
+import random
+import statistics
+
+import router.adaptive as adaptive
+from router.adaptive import Adaptive
+from router.observe import Observation
+from router.policy import BackendLoad, View, decide
+
+S, B = "http://s:1", "http://b:1"
+TOKENS = 24
+ROWS = [list(map(float, line.split())) for line in open("bench/results/ab-s41/engine-scatter.txt")
+        if line[:1].isdigit()]  # i prompt_tokens tokens spec_s/tok base_s/tok spec_ttft base_ttft
+
+
+def serve(pool: str, row: list, slow: float, rng: random.Random | None) -> tuple[float, float]:
+    s_tok, ttft = (row[3], row[5]) if pool == "speculative" else (row[4], row[6])
+    dur = s_tok * TOKENS
+    decode = (dur - ttft) * (slow if pool == "speculative" else 1.0)
+    k = 1.0 if rng is None else math.exp(rng.gauss(0, 0.04))
+    return (ttft + decode) * k, ttft * k
+
+
+def run(seed: int, slow: float, n: int) -> tuple[list[bool], float, float]:
+    rng = random.Random(seed)
+    pol = Adaptive()
+    sent, t_spent, t_base = [], 0.0, 0.0
+    for _ in range(n):
+        v = View.of([BackendLoad(S, "speculative", 0, True), BackendLoad(B, "baseline", 0, True)])
+        d = decide(pol, v, None, rng)
+        row = rng.choice(ROWS)
+        dur, ttft = serve(d.pool, row, slow, rng)
+        t_spent += dur
+        t_base += serve("baseline", row, slow, None)[0]
+        pol.observe(Observation(d.pool, S if d.pool == "speculative" else B, 1, 1, dur, ttft, None, TOKENS,
+                                True, data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
+        sent.append(d.pool == "speculative")
+    return sent, t_spent, t_base
+
+
+def table(slow: float, covariate: bool, n: int = 96, seeds: int = 40) -> None:
+    adaptive.COVARIATE_SAMPLES = 8 if covariate else 10**9
+    runs = [run(s, slow, n) for s in range(seeds)]
+    print(f"speculative decode x{slow:.2f}, covariate {'on' if covariate else 'off'}: share sent to the speculative "
+          f"engine per 24 requests, mean over {seeds} seeds (and the worst seed)")
+    for lo in range(0, n, 24):
+        shares = [sum(r[0][lo:lo + 24]) / 24 for r in runs]
+        print(f"  requests {lo + 1:3d}-{lo + 24:3d}: {statistics.mean(shares):5.1%} (worst {max(shares):5.1%})")
+    speed = [r[2] / r[1] for r in runs]
+    print(f"  all {n}: throughput / all-baseline's on the same prompts: mean {statistics.mean(speed):.3f}, "
+          f"min {min(speed):.3f}")
+
+
+if __name__ == "__main__":
+    for slow in (1.0, 1.15, 1.3):
+        for cov in (False, True):
+            table(slow, cov)
