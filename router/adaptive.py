@@ -89,6 +89,11 @@ MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle 
 # (bench/results/ab-s41/engine-scatter.txt), and 20-45 samples no longer leave a model 15-40% off.
 COVARIATE_SAMPLES = 8
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
+# The first samples wait for the covariate (up to MAX_EARLY of them): at one client exploration ends on a pool's
+# first 5 samples, and two long prompts among them, unmoved, put the llama.cpp baseline a third slow alone, below
+# exploration's floor for good (bench/results/ab-s42/covariate-replay.py). A server never found idle measures no
+# prefill: its first MAX_EARLY samples are then folded unmoved.
+MAX_EARLY = 2 * COVARIATE_SAMPLES
 PROMPT_MIX_MEMORY = 100  # the typical prompt: an EWMA of every request's uncached tokens over about this many
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
 
@@ -190,6 +195,9 @@ class Adaptive:
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
         self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
+        # The first samples that carry a prompt size wait (MAX_EARLY at most) until the covariate is measured, then
+        # are folded moved; None once it is or the wait is over.
+        self.early: list[tuple[Observation, int | None, int]] | None = []
         self.prompt_mix = 0.0  # EWMA of every request's uncached prompt tokens: the typical prompt (prompt_shift)
         self.prompts = 0
         self.finished = 0
@@ -385,13 +393,12 @@ class Adaptive:
             if w.limit() != before:
                 self._limit(obs.url, obs.pool, w.limit())
         m = self.models.get(obs.url)
+        limit = m.max_running if m is not None else self.max_running
         uncached = uncached_tokens(obs)
-        got = sample(obs, m.max_running if m is not None else self.max_running,
-                     self.prompt_shift(obs.url, obs.pool, uncached))
-        if got is not None:  # so obs.tokens() is known
-            self._fold(obs.pool, obs.url, got[0], got[1])
-            self.finished += 1
-            self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
+        if obs.ok and uncached is not None and self.early is not None:
+            self.early.append((obs, limit, uncached))
+        else:
+            self._take(obs, limit, uncached)
         if not obs.ok or uncached is None:
             return
         self.prompts += 1
@@ -404,6 +411,19 @@ class Adaptive:
             pm.note(uncached)
             if alone:
                 pm.update(uncached, obs.ttft_s)
+        if self.early is not None and (self.prefill[EVERY].samples >= COVARIATE_SAMPLES
+                                       or len(self.early) >= MAX_EARLY):
+            early, self.early = self.early, None
+            for o, lim, u in early:
+                self._take(o, lim, u)
+
+    def _take(self, obs: Observation, limit: int | None, uncached: int | None) -> None:
+        """Fold one finished exchange's sample, moved to the typical prompt where the covariate is known."""
+        got = sample(obs, limit, self.prompt_shift(obs.url, obs.pool, uncached))
+        if got is not None:  # so obs.tokens() is known
+            self._fold(obs.pool, obs.url, got[0], got[1])
+            self.finished += 1
+            self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
 
     def prompt_shift(self, url: str, pool: str, uncached: int | None) -> float:
         """Seconds a prompt of `uncached` tokens costs on this server beyond the typical prompt (negative when
@@ -505,8 +525,10 @@ class Adaptive:
         return gain, speed
 
     def _samples(self, pool: str) -> int:
+        """Samples of the pool, those waiting for the covariate included (a cold start's ties alternate pools)."""
         m = self.models.get(pool)
-        return 0 if m is None else m.samples
+        waiting = sum(o.pool == pool for o, _, _ in self.early) if self.early else 0
+        return waiting if m is None else m.samples + waiting
 
     def _best(self, cands: list[BackendView], rng: random.Random) -> tuple[tuple[float, float], BackendView]:
         if len(cands) == 1:
@@ -673,4 +695,6 @@ class Adaptive:
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
                 "explore": self.explore, "deadband": self.deadband, "decisions": self.decisions,
                 "tokens_per_request": round(self.tokens, 1),
+                # Samples waiting for the prompt covariate to be measured (MAX_EARLY), not yet in any model.
+                "samples_waiting": len(self.early or ()),
                 "pools": pools, "backends": backends}

@@ -751,10 +751,11 @@ async def test_a_stream_without_usage_counts_its_tokens_by_its_data_events(raw_b
     assert (obs.ok, obs.completion_tokens, obs.chunks, obs.data_events, obs.tokens()) == (True, None, 1, 5, 4)
     async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
         learned = (await r.json())["model"]
-    assert learned["pools"][obs.pool]["samples"] == 1 and learned["tokens_per_request"] == 4
     # No usage, so no prompt_tokens: the prompt's size is the router's estimate from its bytes (a prompt shorter
-    # than a prefix block included), and the prefill model learns from it (adaptive's prompt covariate).
+    # than a prefix block included), and the prefill model learns from it (adaptive's prompt covariate). The
+    # speed sample waits for that covariate to be measured (router.adaptive.MAX_EARLY).
     assert obs.prompt_tokens is None and learned["pools"][obs.pool]["prefill_samples"] == 1
+    assert learned["samples_waiting"] == 1 and learned["pools"][obs.pool]["samples"] == 0
 
 
 def test_observation_tokens_prefers_the_usage_and_needs_a_stream_for_the_fallback():
