@@ -176,14 +176,15 @@ class Judge:
         ns, got = self.ns, []
         for i, c in enumerate(ns.levels):
             target = out["rows"][i]["best_fixed_tput"]
-            runs, before_req, before_s = [], 0, 0.0
+            runs, seen, before_req, before_s = [], [], 0, 0.0
             reached = None
             with procs.ProcGroup() as group:
                 url = self.adaptive(group)
                 for j in range(ns.cold_runs):
-                    fig = run_async(self.level(url, c))
+                    fig = run_async(self.decided(url, c))
                     ratio = figures.tput(fig) / target if target else 0.0
                     runs.append(round(ratio, 3))
+                    seen.append({k: fig[k] for k in ("decisions", "behind", "luck", "speculative_share")})
                     if ratio >= BAR:
                         reached = j
                         break
@@ -192,7 +193,8 @@ class Judge:
             got.append({"concurrency": c, "runs": runs, "reached_at_run": reached,
                         "requests_before": before_req if reached is not None else None,
                         "seconds_before": round(before_s, 1) if reached is not None else None,
-                        "requests_tried": before_req, "seconds_tried": round(before_s, 1)})
+                        "requests_tried": before_req, "seconds_tried": round(before_s, 1),
+                        "seen": seen})  # per run: its decisions, requests sent behind another, luck, share
         return got
 
     def member(self, name: str, urls: tuple[str, str] | None = None) -> dict:

@@ -253,6 +253,9 @@ def test_judge_a_running_pair_end_to_end(tmp_path):
     assert [r["behind"] for r in rep["configs"]["all-speculative"]] == [0, 3]
     assert [sum(r["decisions"].values()) for r in rep["configs"]["adaptive"]] == [4, 4]
     assert all(k.split("/")[0] in ("speculative", "baseline") for r in rep["configs"]["adaptive"] for k in r["decisions"])
+    # A cold run's decisions too (a fresh router: all of them are the run's), with what else it saw.
+    assert [[sum(run["decisions"].values()) for run in c["seen"]] for c in rep["cold"]] == [[4], [4]]
+    assert all(set(run) == {"decisions", "behind", "luck", "speculative_share"} for c in rep["cold"] for run in c["seen"])
     md = (tmp_path / "mine.md").read_text()
     assert "mine: adaptive >= 0.95" in md and "| sent behind another" in md
     # --router-arg reaches the routers: one they refuse stops the judge with its one line (exit 2)

@@ -5,9 +5,10 @@ measured in bench/results/ab-s41/engine-scatter.txt (its seconds per token and t
 0.04 log-sd draw: the same prompt twice), 24 tokens, and the router's prompt-size estimate (the table's tokens).
 The speculative engine's decode (its time after the first token) is slowed by SLOW, as the judge's repeats found
 it 0-13% slower alone than the baseline (the scatter table has them tied). Per block of 24 requests (a judge level
-at 24): the share sent to the slower engine and the throughput against all-baseline, with the covariate and
-without (COVARIATE_SAMPLES set out of reach), over 40 seeds.
-Run: .venv/bin/python bench/results/ab-s42/covariate-replay.py"""
+at 24): the share sent to the speculative engine and the throughput against all-baseline on the same prompts,
+over 40 seeds: s41's build (COVARIATE_SAMPLES out of reach, MAX_EARLY 0), the covariate with samples folded at
+once, and this build (the first samples wait for the covariate).
+Run: .venv/bin/python bench/results/ab-s42/covariate-replay.py > bench/results/ab-s42/covariate-replay.txt"""
 import math
 import random
 import statistics
@@ -48,10 +49,14 @@ def run(seed: int, slow: float, n: int) -> tuple[list[bool], float, float]:
     return sent, t_spent, t_base
 
 
-def table(slow: float, covariate: bool, n: int = 96, seeds: int = 40) -> None:
-    adaptive.COVARIATE_SAMPLES = 8 if covariate else 10**9
+MODES = {"s41 (no covariate)": (10**9, 0), "covariate, samples folded at once": (8, 0),
+         "covariate, the first samples wait for it (this build)": (8, 16)}
+
+
+def table(slow: float, mode: str, n: int = 96, seeds: int = 40) -> None:
+    adaptive.COVARIATE_SAMPLES, adaptive.MAX_EARLY = MODES[mode]
     runs = [run(s, slow, n) for s in range(seeds)]
-    print(f"speculative decode x{slow:.2f}, covariate {'on' if covariate else 'off'}: share sent to the speculative "
+    print(f"speculative decode x{slow:.2f}, {mode}: share sent to the speculative "
           f"engine per 24 requests, mean over {seeds} seeds (and the worst seed)")
     for lo in range(0, n, 24):
         shares = [sum(r[0][lo:lo + 24]) / 24 for r in runs]
@@ -63,5 +68,5 @@ def table(slow: float, covariate: bool, n: int = 96, seeds: int = 40) -> None:
 
 if __name__ == "__main__":
     for slow in (1.0, 1.15, 1.3):
-        for cov in (False, True):
-            table(slow, cov)
+        for mode in MODES:
+            table(slow, mode)
