@@ -66,7 +66,29 @@ def table(slow: float, mode: str, n: int = 96, seeds: int = 40) -> None:
           f"min {min(speed):.3f}")
 
 
+def alone(pool: str, mode: str, slow: float = 1.3, n: int = 80, seeds: int = 10) -> None:
+    """Every request to one engine: the model's speed alone over the set's, as served (how far off it is learned)."""
+    adaptive.COVARIATE_SAMPLES, adaptive.MAX_EARLY = MODES[mode]
+    got = []
+    for seed in range(seeds):
+        rng, pol, total = random.Random(seed), Adaptive(explore=0.0), 0.0
+        for _ in range(n):
+            row = rng.choice(ROWS)
+            dur, ttft = serve(pool, row, slow, rng)
+            total += dur
+            pol.observe(Observation(pool, S if pool == "speculative" else B, 1, 1, dur, ttft, None, TOKENS, True,
+                                    data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
+        learned = pol.state(View.of([BackendLoad(S, "speculative", 0, True), BackendLoad(B, "baseline", 0, True)]))
+        got.append(learned["pools"][pool]["tok_s_alone"] / (TOKENS * n / total))
+    print(f"  {pool}, {mode}: learned speed alone / served, mean {statistics.mean(got):.3f} "
+          f"(min {min(got):.3f}, max {max(got):.3f})")
+
+
 if __name__ == "__main__":
     for slow in (1.0, 1.15, 1.3):
         for mode in MODES:
             table(slow, mode)
+    print("every request to one engine, 10 seeds of 80 requests (speculative decode x1.30):")
+    for pool in ("speculative", "baseline"):
+        for mode in MODES:
+            alone(pool, mode)
