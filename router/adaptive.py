@@ -86,7 +86,7 @@ MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle 
 # prompt's (the prefill model's per-token seconds times its uncached tokens minus the mix's), once the prefill
 # model holds COVARIATE_SAMPLES idle samples. On the llama.cpp pair one request's seconds per token scatter by
 # 0.36-0.38 (log sd), nearly all of it the prompt (the same prompt twice: 0.04); moved so, 0.18 and 0.26
-# (bench/results/ab-s41/engine-scatter.txt), and 20-45 samples no longer leave a model 15-40% off.
+# (bench/results/ab-s42/covariate-replay.txt), and a robust fit of them is no longer 10-12% fast.
 COVARIATE_SAMPLES = 8
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
 # The first samples wait for the covariate (up to MAX_EARLY of them): at one client exploration ends on a pool's

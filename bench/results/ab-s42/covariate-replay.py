@@ -84,7 +84,22 @@ def alone(pool: str, mode: str, slow: float = 1.3, n: int = 80, seeds: int = 10)
           f"(min {min(got):.3f}, max {max(got):.3f})")
 
 
+def scatter() -> None:
+    """One request's seconds per token over the 36 prompts as measured, and moved to the mean prompt by the slope
+    of time to first token on prompt tokens (least squares): the log sd of each."""
+    p = [r[1] for r in ROWS]
+    for name, yi, ti in (("speculative", 3, 5), ("baseline", 4, 6)):
+        y, t = [r[yi] for r in ROWS], [r[ti] for r in ROWS]
+        mp, mt = statistics.mean(p), statistics.mean(t)
+        k = sum((a - mp) * (b - mt) for a, b in zip(p, t, strict=True)) / sum((a - mp) ** 2 for a in p)
+        moved = [a - k * (b - mp) / TOKENS for a, b in zip(y, p, strict=True)]
+        print(f"  {name}: {k * 1e3:.1f} ms a prompt token; log sd of s/token {statistics.pstdev(map(math.log, y)):.3f}, "
+              f"moved {statistics.pstdev(map(math.log, moved)):.3f}")
+
+
 if __name__ == "__main__":
+    print("the measured requests (engine-scatter.txt, round 0):")
+    scatter()
     for slow in (1.0, 1.15, 1.3):
         for mode in MODES:
             table(slow, mode)
