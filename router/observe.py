@@ -50,7 +50,7 @@ class Observation:
     # What the router's prefix index expected cached there (router.affinity), for a backend reporting none.
     expected_cached_tokens: int | None = None
     # The router's estimate of the prompt's tokens from its bytes (router.affinity), for a backend reporting no
-    # usage (llama-cpp-python); None without prefix routing or a text prompt.
+    # usage (llama-cpp-python); None with prefix routing off, or for a prompt that is not text.
     estimated_prompt_tokens: int | None = None
     # SSE `data:` events of a stream ([DONE] included; 0 when not streamed): an engine that sends no usage chunk
     # (llama-cpp-python ignores stream_options) sends one token per event, so it counts its tokens there.
