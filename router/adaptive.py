@@ -89,10 +89,12 @@ MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle 
 # (bench/results/ab-s42/covariate-replay.txt), and a robust fit of them is no longer 10-12% fast.
 COVARIATE_SAMPLES = 8
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
-# The first samples wait for the covariate (up to MAX_EARLY of them): at one client exploration ends on a pool's
-# first 5 samples, and two long prompts among them, unmoved, put the llama.cpp baseline a third slow alone, below
-# exploration's floor for good (bench/results/ab-s42/covariate-replay.py). A server never found idle measures no
-# prefill: its first MAX_EARLY samples are then folded unmoved.
+# The first samples (up to MAX_EARLY of them) are folded unmoved and kept; once the covariate is measured the
+# models are rebuilt from them moved. At one client exploration ends on a pool's first 5 samples, and two long
+# prompts among them, unmoved for good, put the llama.cpp baseline a third slow alone, below exploration's floor
+# (bench/results/ab-s42/covariate-replay.py). Held out of the models until then instead (s42), a cold router
+# alternated its first 8 requests where prompts cost nothing: convex-10's one client went 30 -> 13 of 30 virtual
+# seeds. A server never found idle measures no prefill: its first MAX_EARLY samples then stay unmoved.
 MAX_EARLY = 2 * COVARIATE_SAMPLES
 PROMPT_MIX_MEMORY = 100  # the typical prompt: an EWMA of every request's uncached tokens over about this many
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
@@ -195,9 +197,11 @@ class Adaptive:
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
         self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
         self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
-        # The first samples that carry a prompt size wait (MAX_EARLY at most) until the covariate is measured, then
-        # are folded moved; None once it is or the wait is over.
-        self.early: list[tuple[Observation, int | None, int]] | None = []
+        # Everything that fed the models while the covariate is unmeasured (samples, queue limits, accept-length
+        # rescales, instances joining a pool), in order: the models are rebuilt from it, the samples moved, once it
+        # is (_rebuild). None once rebuilt or after MAX_EARLY samples.
+        self.early: list[tuple] | None = []
+        self.early_samples = 0
         self.prompt_mix = 0.0  # EWMA of every request's uncached prompt tokens: the typical prompt (prompt_shift)
         self.prompts = 0
         self.finished = 0
@@ -395,11 +399,11 @@ class Adaptive:
         m = self.models.get(obs.url)
         limit = m.max_running if m is not None else self.max_running
         uncached = uncached_tokens(obs)
-        if obs.ok and uncached is not None and self.early is not None:
-            self.early.append((obs, limit, uncached))
-        else:
-            self._take(obs, limit, uncached)
+        if self._take(obs, limit, uncached) and self.early is not None:
+            self.early.append(("take", obs, limit, uncached))
+            self.early_samples += 1
         if not obs.ok or uncached is None:
+            self._unready()
             return
         self.prompts += 1
         self.prompt_mix += max(1.0 / PROMPT_MIX_MEMORY, 1.0 / self.prompts) * (uncached - self.prompt_mix)
@@ -411,19 +415,45 @@ class Adaptive:
             pm.note(uncached)
             if alone:
                 pm.update(uncached, obs.ttft_s)
-        if self.early is not None and (self.prefill[EVERY].samples >= COVARIATE_SAMPLES
-                                       or len(self.early) >= MAX_EARLY):
-            early, self.early = self.early, None
-            for o, lim, u in early:
-                self._take(o, lim, u)
+        if self.early is not None and self.prefill[EVERY].samples >= COVARIATE_SAMPLES:
+            self._rebuild()
+        self._unready()
 
-    def _take(self, obs: Observation, limit: int | None, uncached: int | None) -> None:
-        """Fold one finished exchange's sample, moved to the typical prompt where the covariate is known."""
+    def _unready(self) -> None:
+        """MAX_EARLY samples and still no covariate (a server never found idle): they stay as they were folded."""
+        if self.early is not None and self.early_samples >= MAX_EARLY:
+            self.early = None
+
+    def _take(self, obs: Observation, limit: int | None, uncached: int | None) -> bool:
+        """Fold one finished exchange's sample, moved to the typical prompt where the covariate is known; False
+        when it says nothing usable."""
         got = sample(obs, limit, self.prompt_shift(obs.url, obs.pool, uncached))
-        if got is not None:  # so obs.tokens() is known
-            self._fold(obs.pool, obs.url, got[0], got[1])
-            self.finished += 1
-            self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
+        if got is None:
+            return False
+        self._fold(obs.pool, obs.url, got[0], got[1])  # so obs.tokens() is known
+        self.finished += 1
+        self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
+        return True
+
+    def _rebuild(self) -> None:
+        """The covariate is measured: the models start again from what fed them so far, in its order, the
+        samples now moved to the typical prompt (the queue limits and accept-length rescales learned meanwhile
+        kept). The decisions made meanwhile used the unmoved models."""
+        log, self.early = self.early or [], None
+        last_seen = dict(self.last_seen)
+        self.models, self.sole, self.split, self.pending, self.bounded = {}, {}, set(), {}, {}
+        self.published, self.published_at, self.spreads = {}, {}, {}
+        self.finished, self.tokens = 0, 0.0
+        for kind, *args in log:
+            if kind == "take":
+                self._take(*args)
+            elif kind == "fed":
+                self._fed(*args)
+            elif kind == "limit":
+                self._limit(*args)
+            else:
+                self._rescale(*args)
+        self.last_seen = last_seen
 
     def prompt_shift(self, url: str, pool: str, uncached: int | None) -> float:
         """Seconds a prompt of `uncached` tokens costs on this server beyond the typical prompt (negative when
@@ -454,7 +484,10 @@ class Adaptive:
     def observe_loads(self, url: str, pool: str, figs: LoadFigures) -> None:
         """One /v1/loads answer of a backend: its max_running_requests and its accept length."""
         limit = figs.max_running if self.max_running is None else self.max_running
-        keys = self._fed(url, pool)
+        joined = (self.sole.get(pool), pool in self.split)
+        self._fed(url, pool)
+        if self.early is not None and (self.sole.get(pool), pool in self.split) != joined:
+            self.early.append(("fed", url, pool))
         if limit is not None:
             self.reported.add(url)
             self._limit(url, pool, limit)
@@ -474,11 +507,9 @@ class Adaptive:
             else:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
                 self.anchor[url], self.beyond[url], self.polls[url], self.accept_dev[url] = x, 0, 1, 0.0
-                for key in keys:
-                    m = self.model(key, pool)
-                    m.rescale(anchor / x)
-                    for name in self._named(key):
-                        self._set(name, m.params(), m)
+                self._rescale(url, pool, anchor / x)
+                if self.early is not None:
+                    self.early.append(("rescale", url, pool, anchor / x))
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
         # the steps other requests' prefills take, are not in it), and its clock need not be the router's (a
@@ -487,14 +518,26 @@ class Adaptive:
         # alone than it is. The router's own timings are the samples; /v1/loads gives the running counts (the
         # load signal), max_running_requests (the queue) and the accept length (a drift, at once).
 
+    def _rescale(self, url: str, pool: str, factor: float) -> None:
+        """Scale the token time of the models url's samples feed, published at once (an accept-length jump)."""
+        for key in self._fed(url, pool):
+            m = self.model(key, pool)
+            m.rescale(factor)
+            for name in self._named(key):
+                self._set(name, m.params(), m)
+
     def _limit(self, url: str, pool: str, limit: int | None) -> None:
         """b's queue limit, reported or inferred, into the models its samples feed (None: not known)."""
+        changed = False
         for key in self._fed(url, pool):
             m = self.model(key, pool)
             if m.max_running != limit:
+                changed = True
                 m.max_running = limit
                 for name in self._named(key):
                     self._publish(name, m, 1.0)
+        if changed and self.early is not None:
+            self.early.append(("limit", url, pool, limit))
 
     def _fold_accept(self, url: str, x: float, running: int) -> None:
         """One figure within the jump: the anchor is the mean of the first ANCHOR_POLLS, then moves 1/ANCHOR_POLLS
@@ -525,10 +568,8 @@ class Adaptive:
         return gain, speed
 
     def _samples(self, pool: str) -> int:
-        """Samples of the pool, those waiting for the covariate included (a cold start's ties alternate pools)."""
         m = self.models.get(pool)
-        waiting = sum(o.pool == pool for o, _, _ in self.early) if self.early else 0
-        return waiting if m is None else m.samples + waiting
+        return 0 if m is None else m.samples
 
     def _best(self, cands: list[BackendView], rng: random.Random) -> tuple[tuple[float, float], BackendView]:
         if len(cands) == 1:
@@ -695,6 +736,7 @@ class Adaptive:
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
                 "explore": self.explore, "deadband": self.deadband, "decisions": self.decisions,
                 "tokens_per_request": round(self.tokens, 1),
-                # Samples waiting for the prompt covariate to be measured (MAX_EARLY), not yet in any model.
-                "samples_waiting": len(self.early or ()),
+                # Samples folded unmoved, kept until the prompt covariate is measured (MAX_EARLY): the models are
+                # then rebuilt from them moved.
+                "samples_unmoved": self.early_samples if self.early is not None else 0,
                 "pools": pools, "backends": backends}

@@ -65,8 +65,8 @@ def test_the_prefill_a_server_costs_its_batch_is_learned_from_requests_that_foun
     st = pol.state(v)
     assert st["pools"]["speculative"]["prefill_s"] == pytest.approx(1.0)
     assert st["pools"]["speculative"]["prefill_samples"] == 1
-    # Its speed sample waits for the prompt covariate (three samples of prompt sizes so far, one server idle).
-    assert st["samples_waiting"] == 3 and st["tokens_per_request"] == 0
+    # Its speed samples are in the models unmoved and kept for the rebuild once the covariate is measured.
+    assert st["samples_unmoved"] == 3 and st["tokens_per_request"] == TOKENS
     assert [b["stall_s"] for b in st["backends"]] == [pytest.approx(1.0), pytest.approx(0.05)]
 
 
@@ -171,39 +171,48 @@ def test_which_prompts_a_server_happened_to_draw_does_not_decide_which_looks_fas
     assert unmoved["speculative"]["tok_s_alone"] < 0.75 * unmoved["baseline"]["tok_s_alone"]
 
 
-def test_the_first_samples_wait_for_the_covariate_and_then_are_folded_moved():
-    """Samples carrying a prompt size wait until the prefill model of every server holds COVARIATE_SAMPLES idle
-    requests, then enter the models moved to the typical prompt; meanwhile a tie counts them, so a cold start
-    alternates pools. A server never found idle measures no prefill: after MAX_EARLY samples they enter unmoved.
-    mutmut: no wait, the flush on readiness or on MAX_EARLY dropped, _samples not counting the waiting."""
+def test_the_first_samples_are_folded_unmoved_and_the_models_rebuilt_moved_once_the_covariate_is_measured():
+    """Until the prefill model of every server holds COVARIATE_SAMPLES idle requests, samples enter the models
+    unmoved (decisions route on them) and are kept; then the models are rebuilt from them moved to the typical
+    prompt, keeping a queue limit and an accept-length rescale learned meanwhile, and the tokens per request. A
+    server never found idle measures no prefill: after MAX_EARLY samples they stay unmoved.
+    mutmut: no rebuild, the rebuild dropping the limit or the rescale, the log not ending at MAX_EARLY."""
     import router.adaptive as adaptive
+    from router.observe import LoadFigures
 
     pol = Adaptive(explore=0.0)
     rng = random.Random(3)
-    sent = []
-    for _ in range(adaptive.COVARIATE_SAMPLES - 1):
-        d = pol.decide(view(0, 0), rng)
-        sent.append(d.pool)
-        u = rng.randint(160, 216) if d.pool == "speculative" else rng.randint(24, 60)  # the luck of the draw
+    pol.observe_loads(B1, "baseline", LoadFigures(0, 0, max_running=7))
+    for i in range(adaptive.COVARIATE_SAMPLES - 1):
+        pool, url = ("speculative", S1) if i % 2 == 0 else ("baseline", B1)
+        u = rng.randint(160, 216) if pool == "speculative" else rng.randint(24, 60)  # the luck of the draw
         ttft = 0.05 + 0.0125 * u
-        pol.observe(Observation(d.pool, d.backend.url, 1, 1, ttft + 0.96, ttft, None, 24, True, data_events=25,
+        pol.observe(Observation(pool, url, 1, 1, ttft + 0.96, ttft, None, 24, True, data_events=25,
                                 estimated_prompt_tokens=u))
-    assert pol.state(view(0, 0))["samples_waiting"] == adaptive.COVARIATE_SAMPLES - 1
-    assert not pol.models.get("speculative") or pol.models["speculative"].samples == 0
-    assert abs(sent.count("speculative") - sent.count("baseline")) <= 1  # the ties alternated
+        for _ in range(adaptive.ANCHOR_POLLS if i == 2 else 0):
+            pol.observe_loads(S1, "speculative", LoadFigures(16, 0, accept_length=3.0))
+    for _ in range(adaptive.ACCEPT_POLLS):  # tokens per step 3 -> 1.5: the speculative model 2x slower, at once
+        pol.observe_loads(S1, "speculative", LoadFigures(16, 0, accept_length=1.5))
+    st = pol.state(view(0, 0))
+    assert st["samples_unmoved"] == adaptive.COVARIATE_SAMPLES - 1
+    assert st["pools"]["speculative"]["samples"] + st["pools"]["baseline"]["samples"] == adaptive.COVARIATE_SAMPLES - 1
+    # Unmoved, the speculative server's long prompts put it well below the baseline's speed alone.
+    assert st["pools"]["speculative"]["tok_s_alone"] < 0.5 * st["pools"]["baseline"]["tok_s_alone"]
     pol.observe(Observation("baseline", B1, 1, 1, 0.05 + 0.0125 * 100 + 0.96, 0.05 + 0.0125 * 100, None, 24, True,
                             data_events=25, estimated_prompt_tokens=100))
     st = pol.state(view(0, 0))
-    assert st["samples_waiting"] == 0
+    assert st["samples_unmoved"] == 0 and pol.early is None
     assert st["pools"]["speculative"]["samples"] + st["pools"]["baseline"]["samples"] == adaptive.COVARIATE_SAMPLES
-    # Every sample moved to the typical prompt: 0.05 s + 12.5 ms a token of the mix, and 24 tokens at 0.04 s
-    # (unmoved, the speculative server's long prompts put it at half the baseline's speed).
+    assert st["tokens_per_request"] == 24 and st["pools"]["baseline"]["max_running"] == 7
+    # Every sample moved to the typical prompt: 0.05 s + 12.5 ms a token of the mix, and 24 tokens at 0.04 s; the
+    # speculative model then 2x slower (the rescale the samples it held took, taken again on the rebuild).
     typical = 24 / (0.05 + 0.0125 * pol.prompt_mix + 0.96)
     assert st["pools"]["baseline"]["tok_s_alone"] == pytest.approx(typical, rel=0.03)
-    assert st["pools"]["speculative"]["tok_s_alone"] == pytest.approx(typical, rel=0.03)
+    assert st["pools"]["speculative"]["tok_s_alone"] == pytest.approx(typical / 2, rel=0.03)
 
     busy = Adaptive(explore=0.0)
     for i in range(adaptive.MAX_EARLY):
         busy.observe(Observation("baseline", B1, 4, 4, 2.0, 0.5, None, 24, True, data_events=25,
                                  estimated_prompt_tokens=50 + i))
-    assert busy.state(view(0, 0))["samples_waiting"] == 0 and busy.models["baseline"].samples == adaptive.MAX_EARLY
+    assert busy.state(view(0, 0))["samples_unmoved"] == 0 and busy.early is None
+    assert busy.models["baseline"].samples == adaptive.MAX_EARLY
