@@ -606,6 +606,27 @@ def test_cold_start_tries_both_pools_then_follows_the_data():
     assert seen[-3:] == ["baseline"] * 3  # the seed eagle3 server is slower alone
 
 
+def test_busy_decisions_on_young_models_go_to_the_less_loaded_backend():
+    """Until the models hold YOUNG_SAMPLES samples in all, a busy decision goes to the less loaded backend whatever
+    they say (a line through a few samples, extrapolated); from then on the models decide, and at light load they
+    decide from the first samples. mutmut: the rule dropped, kept past YOUNG_SAMPLES, or applied at light load."""
+    from router.adaptive import LOW_LOAD, YOUNG_SAMPLES
+
+    pol = Adaptive(explore=0.0)
+    rng = random.Random(4)
+    fast, slow = (0.01, 0.001), (0.03, 0.003)  # the speculative server 3x faster at every load
+    for i in range(YOUNG_SAMPLES - 1):
+        pool, url, ab = ("speculative", S1, fast) if i % 2 else ("baseline", B1, slow)
+        pol.observe(obs(pool, url, 1 + i % 4, ab, rng, noise=0.02))
+    busy, light = view(LOW_LOAD + 2, LOW_LOAD), view(1, 0)
+    assert pol.score(busy.speculative[0])[0] > 1.5 * pol.score(busy.baseline[0])[0]
+    assert decide(pol, busy, None, rng).pool == "baseline"
+    assert decide(pol, view(LOW_LOAD, LOW_LOAD + 2), None, rng).pool == "speculative"
+    assert decide(pol, light, None, rng).pool == "speculative"
+    pol.observe(obs("baseline", B1, 2, slow, rng, noise=0.02))
+    assert decide(pol, busy, None, rng).pool == "speculative"
+
+
 # ---------------------------------------------------------------- /v1/loads figures
 
 def test_parse_figures():
