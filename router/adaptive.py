@@ -96,11 +96,12 @@ EVERY = "*"  # the prefill model of every server together (no backend URL or poo
 # alternated its first 8 requests where prompts cost nothing: convex-10's one client went 30 -> 13 of 30 virtual
 # seeds. A server never found idle measures no prefill: its first MAX_EARLY samples then stay unmoved.
 MAX_EARLY = 2 * COVARIATE_SAMPLES
+MAX_EARLY_LOG = 4 * MAX_EARLY  # what the rebuild replays, at most (accept-length rescales while nothing finishes)
 # Busy decisions (LOW_LOAD or more running) go to the less loaded backend until the models hold YOUNG_SAMPLES
-# samples in all: a line through a few light-load samples extrapolated to busier loads routed worse than load
-# alone. Measured on the virtual judge as a side effect of s42's wait (the models empty for their first 16
-# samples): a cold router's first run at 8 clients within 5% of the best in 29 of 30 seeds on convex-10 (3 on
-# the young models), prefill-long 136 of 180 cells (115).
+# samples in all: a line through a few light-load samples, extrapolated to busier loads, routed a cold router worse
+# than load alone. On the virtual judge a cold router's first run came within 5% of the best at convex-10's 8
+# clients in 29 of 30 seeds (3 on the young models), on prefill-long in 134 of 180 cells (115)
+# (bench/results/ab-s43/judge-virtual-s43.md, judge-virtual-s43-rebuild-only.md).
 YOUNG_SAMPLES = MAX_EARLY
 PROMPT_MIX_MEMORY = 100  # the typical prompt: an EWMA of every request's uncached tokens over about this many
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
@@ -406,8 +407,8 @@ class Adaptive:
         limit = m.max_running if m is not None else self.max_running
         uncached = uncached_tokens(obs)
         if self._take(obs, limit, uncached) and self.early is not None:
-            self.early.append(("take", obs, limit, uncached))
             self.early_samples += 1
+            self._log("take", obs, limit, uncached)
         if not obs.ok or uncached is None:
             self._unready()
             return
@@ -424,6 +425,14 @@ class Adaptive:
         if self.early is not None and self.prefill[EVERY].samples >= COVARIATE_SAMPLES:
             self._rebuild()
         self._unready()
+
+    def _log(self, *event) -> None:
+        """One thing that fed the models while the covariate is unmeasured, for the rebuild (MAX_EARLY_LOG at most:
+        beyond, the models stay as they are)."""
+        if self.early is not None:
+            self.early.append(event)
+            if len(self.early) > MAX_EARLY_LOG:
+                self.early = None
 
     def _unready(self) -> None:
         """MAX_EARLY samples and still no covariate (a server never found idle): they stay as they were folded."""
@@ -492,8 +501,8 @@ class Adaptive:
         limit = figs.max_running if self.max_running is None else self.max_running
         joined = (self.sole.get(pool), pool in self.split)
         self._fed(url, pool)
-        if self.early is not None and (self.sole.get(pool), pool in self.split) != joined:
-            self.early.append(("fed", url, pool))
+        if (self.sole.get(pool), pool in self.split) != joined:
+            self._log("fed", url, pool)
         if limit is not None:
             self.reported.add(url)
             self._limit(url, pool, limit)
@@ -514,8 +523,7 @@ class Adaptive:
                 # Tokens per step moved (prompt mix, drafter): token time scales inversely, at once.
                 self.anchor[url], self.beyond[url], self.polls[url], self.accept_dev[url] = x, 0, 1, 0.0
                 self._rescale(url, pool, anchor / x)
-                if self.early is not None:
-                    self.early.append(("rescale", url, pool, anchor / x))
+                self._log("rescale", url, pool, anchor / x)
         # gen_throughput is not folded into the model. Measured (bench compare at 0.5 s polls): its samples
         # outnumbered the router's own 4 to 1, it is a decode-only window average (time to first token, and
         # the steps other requests' prefills take, are not in it), and its clock need not be the router's (a
@@ -542,8 +550,8 @@ class Adaptive:
                 m.max_running = limit
                 for name in self._named(key):
                     self._publish(name, m, 1.0)
-        if changed and self.early is not None:
-            self.early.append(("limit", url, pool, limit))
+        if changed:
+            self._log("limit", url, pool, limit)
 
     def _fold_accept(self, url: str, x: float, running: int) -> None:
         """One figure within the jump: the anchor is the mean of the first ANCHOR_POLLS, then moves 1/ANCHOR_POLLS

@@ -216,3 +216,19 @@ def test_the_first_samples_are_folded_unmoved_and_the_models_rebuilt_moved_once_
                                  estimated_prompt_tokens=50 + i))
     assert busy.state(view(0, 0))["samples_unmoved"] == 0 and busy.early is None
     assert busy.models["baseline"].samples == adaptive.MAX_EARLY
+
+
+def test_what_the_rebuild_would_replay_is_bounded():
+    """Accept-length rescales while no request finishes each add to what the rebuild would replay: beyond
+    MAX_EARLY_LOG the log ends (the models stay as they are), so it cannot grow with time."""
+    import router.adaptive as adaptive
+    from router.observe import LoadFigures
+
+    pol = Adaptive(explore=0.0)
+    longest = 0
+    for cycle in range(adaptive.MAX_EARLY_LOG + 2):
+        for _ in range(adaptive.ANCHOR_POLLS + adaptive.ACCEPT_POLLS):
+            pol.observe_loads(S1, "speculative", LoadFigures(16, 0, accept_length=3.0 if cycle % 2 else 1.5))
+            longest = max(longest, len(pol.early or ()))
+    assert pol.models[S1].epoch > adaptive.MAX_EARLY_LOG  # every cycle rescaled
+    assert pol.early is None and longest == adaptive.MAX_EARLY_LOG
