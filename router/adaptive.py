@@ -186,14 +186,7 @@ class Adaptive:
         self.priors = dict(priors or {})
         # Big refits are left to learn() (SpeedModel.defer): the router runs them in steps between its other work.
         self.defer_fits = defer_fits
-        self.pending: dict[str, list] = {}  # key -> [its refit under way (None: not begun), load of its last sample]
-        self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
-        # pool -> the one instance that has fed its model so far: the two are then one object (_fed).
-        self.sole: dict[str, str] = {}
-        self.split: set[str] = set()  # pools fed by more than one instance
-        self.published: dict[str, Params] = {}
-        self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
-        self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
+        self._new_models()
         self.accept: dict[str, float] = {}  # accept length each backend last reported
         self.anchor: dict[str, float] = {}  # accept length a jump is judged against (ANCHOR_POLLS)
         self.beyond: dict[str, int] = {}  # polls in a row with the accept length beyond the jump
@@ -202,22 +195,32 @@ class Adaptive:
         self.prefill: dict[str, PrefillModel] = {}  # by pool name, by backend URL, and EVERY
         self.reported: set[str] = set()  # backends whose /v1/loads gave their max_running_requests
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
-        self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
-        self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
         # Everything that fed the models while the covariate is unmeasured (samples, queue limits, accept-length
         # rescales, instances joining a pool), in order: the models are rebuilt from it, the samples moved, once it
         # is (_rebuild). None once rebuilt or after MAX_EARLY samples.
         self.early: list[tuple] | None = []
-        self.early_samples = 0
         self.prompt_mix = 0.0  # EWMA of every request's uncached prompt tokens: the typical prompt (prompt_shift)
         self.prompts = 0
-        self.finished = 0
         self.decisions = 0
         self.last_seen: dict[str, int] = {}  # pool -> decision count at its latest sample
         self.last_sent: dict[str, int] = {}  # pool -> decision count when it was last picked
         # Explore a pool that has had no sample for this many decisions even where it costs more: a pool once
         # judged slow gets no traffic and so no samples; without this it would stay misjudged after a change.
         self.stale_after = int(1 / explore) if explore > 0 else 0
+
+    def _new_models(self) -> None:
+        """The speed models and what follows from the samples they hold, empty (at start, and for _rebuild)."""
+        self.pending: dict[str, list] = {}  # key -> [its refit under way (None: not begun), load of its last sample]
+        self.models: dict[str, SpeedModel] = {}  # by pool name and by backend URL
+        # pool -> the one instance that has fed its model so far: the two are then one object (_fed).
+        self.sole: dict[str, str] = {}
+        self.split: set[str] = set()  # pools fed by more than one instance
+        self.published: dict[str, Params] = {}
+        self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
+        self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
+        self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
+        self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
+        self.finished = 0  # samples taken
 
     # ---- models
     def model(self, key: str, pool: str) -> SpeedModel:
@@ -406,8 +409,7 @@ class Adaptive:
         m = self.models.get(obs.url)
         limit = m.max_running if m is not None else self.max_running
         uncached = uncached_tokens(obs)
-        if self._take(obs, limit, uncached) and self.early is not None:
-            self.early_samples += 1
+        if self._take(obs, limit, uncached):
             self._log("take", obs, limit, uncached)
         if not obs.ok or uncached is None:
             self._unready()
@@ -436,8 +438,12 @@ class Adaptive:
 
     def _unready(self) -> None:
         """MAX_EARLY samples and still no covariate (a server never found idle): they stay as they were folded."""
-        if self.early is not None and self.early_samples >= MAX_EARLY:
+        if self._unmoved() >= MAX_EARLY:
             self.early = None
+
+    def _unmoved(self) -> int:
+        """Samples folded unmoved and kept for the rebuild."""
+        return sum(event[0] == "take" for event in self.early or ())
 
     def _take(self, obs: Observation, limit: int | None, uncached: int | None) -> bool:
         """Fold one finished exchange's sample, moved to the typical prompt where the covariate is known; False
@@ -456,9 +462,7 @@ class Adaptive:
         kept). The decisions made meanwhile used the unmoved models."""
         log, self.early = self.early or [], None
         last_seen = dict(self.last_seen)
-        self.models, self.sole, self.split, self.pending, self.bounded = {}, {}, set(), {}, {}
-        self.published, self.published_at, self.spreads = {}, {}, {}
-        self.finished, self.tokens = 0, 0.0
+        self._new_models()
         for kind, *args in log:
             if kind == "take":
                 self._take(*args)
@@ -756,5 +760,5 @@ class Adaptive:
                 "tokens_per_request": round(self.tokens, 1),
                 # Samples folded unmoved, kept until the prompt covariate is measured (MAX_EARLY): the models are
                 # then rebuilt from them moved.
-                "samples_unmoved": self.early_samples if self.early is not None else 0,
+                "samples_unmoved": self._unmoved(),
                 "pools": pools, "backends": backends}
