@@ -153,12 +153,24 @@ def verdict_lines(rows: list[dict], configs: list[str], refs: list[str], gpus: d
             continue
         tw, (tb, tr) = row["throughput_winner"], row["throughput_margin"] or ("-", 1.0)
         lw, (lb, lr) = row["latency_winner"], row["latency_margin"] or ("-", 1.0)
-        text = (f"c={c}: throughput: {_won(tw, tb, tr, gpus, 'of')}; "
-                f"median latency: {_won(lw, lb, lr, gpus, 'shorter than')}")
+        text = f"c={c}: throughput: {_won(tw, tb, tr, gpus, 'of')}"
+        close = _close_references(row, tw, refs) if tr >= 1 + NOISE else []
+        if close:  # a reference wins against the router's best, and another reference ties it: not a win over that
+            text += f" ({' and '.join(close)} within the {NOISE:.0%} noise band of it)"
+        text += f"; median latency: {_won(lw, lb, lr, gpus, 'shorter than')}"
         if row.get("note"):
             text += f" ({row['note']})"
         lines.append(text)
     return lines
+
+
+def _close_references(row: dict, winner: str, refs: list[str]) -> list[str]:
+    """The other references whose throughput at this level is within the noise band of the winning reference's
+    (its margin is against the router's configurations only, so the plan may name one of these instead)."""
+    tput = {p["reference"]: p["reference_throughput"] for p in row["pairs"]}
+    if winner not in refs or not tput.get(winner):
+        return []
+    return [r for r in refs if r != winner and tput.get(r) and tput[winner] / tput[r] < 1 + NOISE]
 
 
 def _won(winner: str, other: str, ratio: float, gpus: dict[str, int | None], rel: str) -> str:

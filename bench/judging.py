@@ -33,15 +33,21 @@ class Judge:
         # repeats, round-robin got the same easier half (mean steps per token 0.47 against 0.54) in all three.
         self.load_seed = ns.seed
         self.external: tuple[str, str] | None = None  # a running pair judged instead of a family member
+        # A running pair's luck, measured (its acceptance draws are unknown): per prompt index of this repeat,
+        # the speculative server's seconds per output token when all-speculative served it at one client.
+        self.costs: dict[int, float] | None = None
 
     def requests_for(self, c: int) -> int:
         return max(self.ns.min_requests, self.ns.rounds * c)
 
-    async def level(self, url: str, c: int, requests: int | None = None, duration: float | None = None) -> dict:
+    async def level(self, url: str, c: int, requests: int | None = None, duration: float | None = None,
+                    costs: bool = False) -> dict:
         n = self.requests_for(c) if requests is None and duration is None else requests
         spec = LoadSpec(url=url, prompts=self.prompts, max_tokens=self.ns.max_tokens, requests=n, duration=duration,
                         timeout=60.0, level_timeout=300.0, seed=self.load_seed)
         run = await run_closed(spec, c)
+        if costs:
+            self.costs = prompt_costs(run.records)
         fig = figures.compute(run, self.ns.speedup)
         out = {k: fig.get(k) for k in ("concurrency", "output_throughput", "completed", "failed", "duration_s",
                                         "speculative_share", "steady_output_throughput", "median_e2e_latency_ms")}
@@ -61,8 +67,11 @@ class Judge:
     def luck(self, spec: LoadSpec, records: list) -> float | None:
         """The mean steps per token of the requests this configuration sent to the speculative server, over
         that of all the level's requests (members drawing acceptance per request; None otherwise): below 1, the
-        speculative server got the easier prompts. Request i (in start order) carries prompt offset + i."""
-        m = MEMBERS.get(self.member_name) if self.external is None else None
+        speculative server got the easier prompts. Request i (in start order) carries prompt offset + i.
+        A running pair: the same ratio of measured costs (`self.costs`), over the prompts whose cost is known."""
+        if self.external is not None:
+            return measured_luck(self.costs, records)
+        m = MEMBERS.get(self.member_name)
         p = m.speculative if m is not None else None
         if p is None or not p.speculative or p.accept_per != "request":
             return None
@@ -105,6 +114,7 @@ class Judge:
     def repeat(self, k: int) -> dict:
         ns = self.ns
         self.load_seed = ns.seed + k
+        self.costs = None  # this repeat's prompts are others
         out: dict = {"repeat": k, "levels": ns.levels, "configs": {}, "load_seed": self.load_seed}
         with procs.ProcGroup() as group:
             singles = [("all-speculative", self.router(group, "spillover", True, False)),
@@ -113,7 +123,9 @@ class Judge:
                 out["configs"][name] = []
             for c in ns.levels:
                 for name, url in singles:
-                    out["configs"][name].append(run_async(self.level(url, c)))
+                    # every level draws its prompts from the same offset, so one client's costs serve them all
+                    costs = self.external is not None and name == "all-speculative" and c == 1
+                    out["configs"][name].append(run_async(self.level(url, c, costs=costs)))
             curves = {name: ",".join(f"{f['concurrency']}:{f['output_throughput']:.1f}" for f in out["configs"][name])
                       for name, _ in singles}
             routed = [("round-robin", self.router(group, "round-robin", True, True))]
@@ -229,6 +241,27 @@ class Judge:
                 "repeats": repeats,
                 "host": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
                          "wall_seconds": round(time.time() - t0, 1)}}
+
+
+def prompt_costs(records: list) -> dict[int, float]:
+    """Per prompt index (start order) of a one-client level on one server, its seconds per output token there:
+    what the request cost that server (its prefill and its acceptance both in), with nothing else running."""
+    ordered = sorted(records, key=lambda r: r.start)
+    return {i: (r.end - r.start) / r.output_tokens for i, r in enumerate(ordered)
+            if r.error is None and r.output_tokens > 0}
+
+
+def measured_luck(costs: dict[int, float] | None, records: list) -> float | None:
+    """The mean measured cost of the prompts a level sent to the speculative server over that of all the level's
+    prompts whose cost is known: below 1, the speculative server got the cheaper prompts. None without costs."""
+    if not costs:
+        return None
+    ordered = sorted(records, key=lambda r: r.start)
+    every = [costs[i] for i in range(len(ordered)) if i in costs]
+    spec = [costs[i] for i, r in enumerate(ordered) if i in costs and r.pool == "speculative"]
+    if not spec or not every:
+        return None
+    return round((sum(spec) / len(spec)) / (sum(every) / len(every)), 3)
 
 
 def sent_behind(records: list) -> int:

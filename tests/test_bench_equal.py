@@ -92,6 +92,19 @@ def test_a_level_within_the_noise_band_is_a_tie():
         "at c=1 (every deployment here uses 8 GPUs)")
 
 
+def test_a_winning_reference_says_which_other_reference_ties_it():
+    """tp8-adaptive wins over the router's best by 1.33x, but tp8-baseline is within the noise band of it (the
+    plan, which needs a 3% win over the baseline, names the baseline there): the level's line says so."""
+    results = {"global": [fig(1, 75, 1000), fig(4, 300, 1000)], "base": [fig(1, 98, 1000), fig(4, 310, 1000)],
+               "adaptive": [fig(1, 100, 1000), fig(4, 400, 1000)]}
+    gpus = {"global": 8, "base": 8, "adaptive": 8}
+    rows = equal.judge(results, ["global"], ["base", "adaptive"], gpus)
+    lines = equal.verdict_lines(rows, ["global"], ["base", "adaptive"], gpus)
+    assert lines[1].startswith("c=1: throughput: adaptive [8 GPUs] wins, 1.33x of global (base within the 3% noise "
+                               "band of it); median latency:")
+    assert lines[2].startswith("c=4: throughput: adaptive [8 GPUs] wins, 1.33x of global; median latency:")
+
+
 def test_unequal_hardware_is_said_in_the_same_line():
     results = {"split": [fig(1, 150, 900)], "tp8": [fig(1, 100, 1000)]}
     gpus = {"split": 16, "tp8": 8}

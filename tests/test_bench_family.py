@@ -209,6 +209,30 @@ def test_judge_luck_slope_and_the_luck_adjusted_ratio():
     assert luck_slope(res) is None
 
 
+def test_a_running_pairs_luck_is_measured_from_what_each_prompt_cost_the_speculative_server():
+    """Prompt i's cost is its seconds per output token on the speculative server alone at one client; a level's
+    luck is the mean cost of the prompts it sent there over that of all its prompts with a known cost (failed
+    requests and prompts past the measured ones left out)."""
+    from bench.judging import measured_luck, prompt_costs
+    from bench.load import RequestRecord
+
+    def rec(start, secs, tokens=10, pool="speculative", error=None):
+        r = RequestRecord(start=start, end=start + secs, output_tokens=tokens, error=error)
+        r.pool = pool
+        return r
+
+    # given out of order: the index is the start order
+    alone = [rec(2.0, 3.0), rec(0.0, 1.0), rec(1.0, 2.0, tokens=20), rec(3.0, 9.0, error="boom")]
+    costs = prompt_costs(alone)
+    assert costs == {0: pytest.approx(0.1), 1: pytest.approx(0.1), 2: pytest.approx(0.3)}
+    # prompt 2 (the dear one) to the speculative server, 0 and 1 elsewhere; prompt 3's and 4's costs unknown
+    level = [rec(0.0, 1.0, pool="baseline"), rec(0.1, 1.0, pool="baseline"), rec(0.2, 1.0),
+             rec(0.3, 1.0), rec(0.4, 1.0, pool="baseline")]
+    assert measured_luck(costs, level) == pytest.approx(0.3 / (0.5 / 3), abs=1e-3)
+    assert measured_luck(costs, level[:2]) is None  # nothing known went to the speculative server
+    assert measured_luck(None, level) is None and measured_luck({}, level) is None
+
+
 def test_judge_and_family_commands_refuse_bad_flags(capsys):
     from bench import familyserve, judge
 
@@ -227,7 +251,7 @@ def test_judge_and_family_commands_refuse_bad_flags(capsys):
 def test_judge_a_running_pair_end_to_end(tmp_path):
     """`bench judge --speculative URL --baseline URL` judges servers it did not start (here a family pair run
     apart, standing in for `bench engines` or a user's own): every configuration served both levels (balanced's curve needs two), and the
-    report names the pair, with no luck column (nothing is known of its acceptance draws)."""
+    report names the pair, its luck measured (what each prompt cost the speculative server alone at one client)."""
     from bench import judge, procs
 
     with procs.ProcGroup() as group:
@@ -247,7 +271,10 @@ def test_judge_a_running_pair_end_to_end(tmp_path):
     assert all([r["completed"] for r in runs] == [4, 4] and not any(r["failed"] for r in runs)
                for runs in rep["configs"].values())
     assert [r["speculative_share"] for r in rep["configs"]["all-speculative"]] == [1.0, 1.0]
-    assert rep["rows"][0]["adaptive_luck"] is None and [len(c["runs"]) for c in rep["cold"]] == [1, 1]
+    assert [len(c["runs"]) for c in rep["cold"]] == [1, 1]
+    assert [r["luck"] for r in rep["configs"]["all-speculative"]] == [1.0, 1.0]
+    assert [r["luck"] for r in rep["configs"]["all-baseline"]] == [None, None]
+    assert all(isinstance(r["luck"], float) for r in rep["configs"]["round-robin"])
     # At one client nothing is sent behind another; at two on one server, all but the first request of each client
     # (the other's is in flight then), and adaptive's decisions of each level are counted by reason.
     assert [r["behind"] for r in rep["configs"]["all-speculative"]] == [0, 3]
