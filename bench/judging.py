@@ -268,8 +268,12 @@ def sent_behind(records: list) -> int:
     """How many of a level's requests were sent to a pool while an earlier one of the level's was in flight there:
     with one server a pool, the requests that shared (or queued on) a server while the other may have been idle.
     At one client, 0."""
-    ordered = sorted((r for r in records if r.pool is not None), key=lambda r: r.start)
-    return sum(any(o.pool == r.pool and r.start < o.end for o in ordered[:i]) for i, r in enumerate(ordered))
+    latest: dict[str, float] = {}  # per pool, the latest end among its earlier requests
+    behind = 0
+    for r in sorted((r for r in records if r.pool is not None), key=lambda r: r.start):
+        behind += r.start < latest.get(r.pool, -math.inf)
+        latest[r.pool] = max(latest.get(r.pool, -math.inf), r.end)
+    return behind
 
 
 def best_threshold(tputs: dict[str, list[float]]) -> tuple[list[float], str]:

@@ -233,6 +233,31 @@ def test_a_running_pairs_luck_is_measured_from_what_each_prompt_cost_the_specula
     assert measured_luck(None, level) is None and measured_luck({}, level) is None
 
 
+def test_sent_behind_counts_the_requests_started_while_an_earlier_one_ran_on_their_pool():
+    """By hand, then against the definition itself (any earlier request of the pool still running) on random
+    levels: the count is the same."""
+    import random
+
+    from bench.judging import sent_behind
+    from bench.load import RequestRecord
+
+    def rec(start, end, pool):
+        return RequestRecord(start=start, end=end, pool=pool)
+
+    # s2 starts while s0 (a long one) still runs, though s1 ended; b1 after b0 ended; the unrouted one not counted
+    level = [rec(0, 10, "s"), rec(1, 2, "s"), rec(3, 4, "s"), rec(0, 1, "b"), rec(1, 2, "b"), rec(0, 9, None)]
+    assert sent_behind(level) == 2
+    rng = random.Random(7)
+    for _ in range(50):
+        recs = []
+        for _ in range(rng.randint(0, 30)):
+            start = rng.uniform(0, 10)
+            recs.append(rec(start, start + rng.uniform(0.1, 3), rng.choice(["s", "b", None])))
+        ordered = sorted((r for r in recs if r.pool is not None), key=lambda r: r.start)
+        want = sum(any(o.pool == r.pool and r.start < o.end for o in ordered[:i]) for i, r in enumerate(ordered))
+        assert sent_behind(recs) == want
+
+
 def test_judge_and_family_commands_refuse_bad_flags(capsys):
     from bench import familyserve, judge
 
