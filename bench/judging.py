@@ -70,20 +70,15 @@ class Judge:
         speculative server got the easier prompts. Request i (in start order) carries prompt offset + i.
         A running pair: the same ratio of measured costs (`self.costs`), over the prompts whose cost is known."""
         if self.external is not None:
-            return measured_luck(self.costs, records)
+            return luck_ratio(self.costs, records)
         m = MEMBERS.get(self.member_name)
         p = m.speculative if m is not None else None
         if p is None or not p.speculative or p.accept_per != "request":
             return None
         bodies = [build_body(q, spec.model, spec.max_tokens, spec.extra_body) for q in spec.prompts]
         offset = random.Random(spec.seed).randrange(len(bodies))
-        draws = [steps_per_token(p, bodies[(offset + i) % len(bodies)], self.ns.seed)
-                 for i in range(len(records))]
-        ordered = sorted(records, key=lambda r: r.start)
-        spec_draws = [d for d, r in zip(draws, ordered, strict=True) if r.pool == "speculative"]
-        if not spec_draws or not draws:
-            return None
-        return round((sum(spec_draws) / len(spec_draws)) / (sum(draws) / len(draws)), 3)
+        return luck_ratio({i: steps_per_token(p, bodies[(offset + i) % len(bodies)], self.ns.seed)
+                           for i in range(len(records))}, records)
 
     def router(self, group: procs.ProcGroup, policy: str, spec: bool, base: bool, threshold: int | None = None,
                extra: list[str] | None = None) -> str:
@@ -251,9 +246,10 @@ def prompt_costs(records: list) -> dict[int, float]:
             if r.error is None and r.output_tokens > 0}
 
 
-def measured_luck(costs: dict[int, float] | None, records: list) -> float | None:
-    """The mean measured cost of the prompts a level sent to the speculative server over that of all the level's
-    prompts whose cost is known: below 1, the speculative server got the cheaper prompts. None without costs."""
+def luck_ratio(costs: dict[int, float] | None, records: list) -> float | None:
+    """The mean cost (a member's steps per token, or a running pair's measured `prompt_costs`) of the prompts a
+    level sent to the speculative server, over that of all the level's prompts whose cost is known: below 1, the
+    speculative server got the cheaper prompts. None without costs. Request i in start order carries prompt i."""
     if not costs:
         return None
     ordered = sorted(records, key=lambda r: r.start)

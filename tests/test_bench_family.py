@@ -213,7 +213,7 @@ def test_a_running_pairs_luck_is_measured_from_what_each_prompt_cost_the_specula
     """Prompt i's cost is its seconds per output token on the speculative server alone at one client; a level's
     luck is the mean cost of the prompts it sent there over that of all its prompts with a known cost (failed
     requests and prompts past the measured ones left out)."""
-    from bench.judging import measured_luck, prompt_costs
+    from bench.judging import luck_ratio, prompt_costs
     from bench.load import RequestRecord
 
     def rec(start, secs, tokens=10, pool="speculative", error=None):
@@ -228,9 +228,9 @@ def test_a_running_pairs_luck_is_measured_from_what_each_prompt_cost_the_specula
     # prompt 2 (the dear one) to the speculative server, 0 and 1 elsewhere; prompt 3's and 4's costs unknown
     level = [rec(0.0, 1.0, pool="baseline"), rec(0.1, 1.0, pool="baseline"), rec(0.2, 1.0),
              rec(0.3, 1.0), rec(0.4, 1.0, pool="baseline")]
-    assert measured_luck(costs, level) == pytest.approx(0.3 / (0.5 / 3), abs=1e-3)
-    assert measured_luck(costs, level[:2]) is None  # nothing known went to the speculative server
-    assert measured_luck(None, level) is None and measured_luck({}, level) is None
+    assert luck_ratio(costs, level) == pytest.approx(0.3 / (0.5 / 3), abs=1e-3)
+    assert luck_ratio(costs, level[:2]) is None  # nothing known went to the speculative server
+    assert luck_ratio(None, level) is None and luck_ratio({}, level) is None
 
 
 def test_sent_behind_counts_the_requests_started_while_an_earlier_one_ran_on_their_pool():
