@@ -61,7 +61,8 @@ def render(results: list[dict], cmd: str) -> str:
                        f"{' / '.join(f'{x:.3f}' for x in ratios)} | {'**' if mark < BAR else ''}{mark:.3f}"
                        f"{'**' if mark < BAR else ''} | {controls} | {floor} | "
                        f"{shares} | {cold} | {lucks} | {adjusted} | {behind} |")
-        out += ["", summary(res), *([luck_summary(res, fit)] if fit is not None else []), ""]
+        out += ["", summary(res), *([luck_summary(res, fit)] if fit is not None else []),
+                *([forced] if (forced := forced_summary(res)) else []), ""]
     return f"```\n{cmd}\n```\n\n" + "\n".join(out)
 
 
@@ -98,6 +99,37 @@ def summary(res: dict) -> str:
     held = sum(all(r["rows"][i]["ratio"] >= BAR for r in reps) for i in range(len(levels)))
     return (f"{res['member']}: adaptive >= {BAR} x best fixed in {ad} of {len(rows)} cells ({held} of {len(levels)}"
             f" levels in every repeat); the control (balanced again) in {ctl} of {len(rows)}.")
+
+
+def forced_spread(rep: dict, i: int) -> tuple[list[str], float] | None:
+    """At a level of two or more clients where adaptive and the best fixed configuration sent no request behind
+    another (each went to the server left idle: on one server a pool, the routing is forced), the routed
+    configurations that did the same and their throughputs' max over min: how far the level's draw of prompts
+    and the host move configurations that decide alike, the bar's resolution there. None elsewhere."""
+    row, cfgs = rep["rows"][i], rep["configs"]
+    if rep["levels"][i] < 2 or row.get("adaptive_behind") != 0 or row.get("best_behind") != 0:
+        return None
+    alike = [n for n, figs in cfgs.items() if n not in ("all-speculative", "all-baseline") and figs[i].get("behind") == 0]
+    tputs = [cfgs[n][i]["output_throughput"] for n in alike]
+    return (alike, max(tputs) / min(tputs)) if len(alike) > 1 and min(tputs) > 0 else None
+
+
+def forced_summary(res: dict) -> str | None:
+    """One line per member: the levels where routing was forced, and how far the configurations that routed
+    alike there spread (forced_spread), per repeat."""
+    reps = res["repeats"]
+    parts = []
+    for i, c in enumerate(reps[0]["levels"]):
+        got = [forced_spread(r, i) for r in reps]
+        if any(g is not None for g in got):
+            names = sorted({n for g in got if g is not None for n in g[0]})
+            parts.append(f"{c} clients ({', '.join(names)}): " + " / ".join(
+                "-" if g is None else f"{(g[1] - 1):.1%}" for g in got))
+    if not parts:
+        return None
+    return ("Routing forced (adaptive and the best sent nothing behind another: every request went to the idle "
+            "server), the configurations that routed alike spread by (max/min - 1, per repeat) "
+            + "; ".join(parts) + ". Where that passes 5%, the bar there measures the draw, not routing.")
 
 
 def luck_summary(res: dict, fit: tuple[float, float, float]) -> str:

@@ -173,6 +173,33 @@ def test_judge_summary_counts_adaptive_and_the_control_against_the_bar():
                             "the control (balanced again) in 3 of 4.")
 
 
+def test_a_forced_level_reports_how_far_the_configurations_that_routed_alike_spread():
+    """At two clients where adaptive and the best sent nothing behind another, the routed configurations that
+    did the same (never the single servers, nor one that queued a request) spread by their max over min; a level
+    of one client, or one where adaptive queued, is not forced."""
+    from bench.judge import forced_spread, forced_summary
+
+    def fig(tput, behind):
+        return {"output_throughput": tput, "behind": behind}
+
+    def rep(adaptive_behind, tputs):
+        a, b, s, rr = tputs
+        return {"levels": [1, 2], "rows": [{"adaptive_behind": 0, "best_behind": 0},
+                                           {"adaptive_behind": adaptive_behind, "best_behind": 0}],
+                "configs": {"all-speculative": [fig(10, 0), fig(1, 0)], "all-baseline": [fig(12, 0), fig(1, 0)],
+                            "round-robin": [fig(11, 0), fig(rr, 3)], "spillover@1": [fig(10, 0), fig(s, 0)],
+                            "balanced": [fig(12, 0), fig(b, 0)], "adaptive": [fig(12, 0), fig(a, adaptive_behind)]}}
+
+    first = rep(0, (28.0, 29.0, 30.0, 50.0))
+    assert forced_spread(first, 0) is None  # one client: the choice is free
+    names, spread = forced_spread(first, 1)
+    assert sorted(names) == ["adaptive", "balanced", "spillover@1"] and spread == pytest.approx(30 / 28)
+    assert forced_spread(rep(2, (28.0, 29.0, 30.0, 50.0)), 1) is None  # adaptive queued one: not forced
+    line = forced_summary({"repeats": [first, rep(2, (28.0, 29.0, 30.0, 50.0)), rep(0, (29.0, 29.0, 29.0, 9.0))]})
+    assert "2 clients (adaptive, balanced, spillover@1): 7.1% / - / 0.0%" in line
+    assert forced_summary({"repeats": [rep(2, (28.0, 29.0, 30.0, 50.0))]}) is None
+
+
 def test_judge_luck_slope_and_the_luck_adjusted_ratio():
     """Repeats whose tok/s move only with luck (a configuration sending the harder prompts to the speculative
     server serves less): the fitted slope is the one the figures were made with, the scatter it leaves is 0, and
