@@ -11,12 +11,15 @@ Each run's throughput is over that of the better single engine on the same promp
 prompts between configurations: what routing alone costs). Per learner, over 200 seeds: the mean, the 10th
 percentile, the worst, and how many runs fell below 0.95. Learners: adaptive as built (s43's policy); adaptive
 without exploration (explore 0: the models alone); a textbook Thompson sampler (per engine, a normal posterior on
-log seconds per request from the same samples, warm-up included).
+log seconds per request from the same samples, warm-up included); and, after a warm-up, adaptive with one of
+its exploration constants moved (VARIANTS).
 Run: .venv/bin/python bench/results/ab-s45/explore-replay.py > bench/results/ab-s45/explore-replay.txt"""
+import contextlib
 import math
 import random
 import statistics
 
+import router.adaptive as adaptive
 from router.adaptive import Adaptive
 from router.observe import Observation
 from router.policy import BackendLoad, View, decide
@@ -38,18 +41,36 @@ def serve(pool: str, row: list, slow: float, rng: random.Random | None) -> tuple
 
 
 class Router:
-    """The router's policy: adaptive as built, or with explore 0."""
+    """The router's policy: adaptive as built, or with explore 0, or with some of its exploration constants set."""
 
-    def __init__(self, rng: random.Random, explore: bool) -> None:
-        self.rng, self.pol = rng, Adaptive() if explore else Adaptive(explore=0.0)
+    def __init__(self, rng: random.Random, explore: bool, **consts: float) -> None:
+        self.consts = consts
+        with self._set():
+            self.rng, self.pol = rng, Adaptive() if explore else Adaptive(explore=0.0)
+
+    @contextlib.contextmanager
+    def _set(self):
+        old = {k: getattr(adaptive, k) for k in self.consts}
+        for k, v in self.consts.items():
+            setattr(adaptive, k, v)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(adaptive, k, v)
 
     def pick(self) -> tuple[str, str]:
+        with self._set():
+            return self._pick()
+
+    def _pick(self) -> tuple[str, str]:
         d = decide(self.pol, View.of([BackendLoad(S, SPEC, 0, True), BackendLoad(B, BASE, 0, True)]), None, self.rng)
         return d.pool, d.reason
 
     def fold(self, pool: str, row: list, dur: float, ttft: float) -> None:
-        self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
-                                     data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
+        with self._set():
+                self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
+                                         data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
 
 
 class Thompson:
@@ -74,6 +95,11 @@ class Thompson:
 LEARNERS = {"adaptive (as built)": lambda rng: Router(rng, True),
             "adaptive, explore 0": lambda rng: Router(rng, False),
             "textbook Thompson": Thompson}
+# Exploration's constants moved one at a time (warm-up runs only): no random exploration of an unfed pool at any
+# load (FRESH), half the cap on the chance explored at light load, half the light-load samples that end it.
+VARIANTS = {"no random exploration": lambda rng: Router(rng, True, FRESH=10**9),
+            "chance cap 0.25": lambda rng: Router(rng, True, LOW_LOAD_EXPLORE=0.25),
+            "light samples cap 16": lambda rng: Router(rng, True, MAX_LOW_LOAD_SAMPLES=16)}
 
 
 def run(make, seed: int, slow: float, n: int, warm: bool) -> tuple[float, int, int]:
@@ -111,10 +137,10 @@ def main() -> None:
         print(f"speculative decode x{slow:.1f}: the speculative engine alone {tb / ts:.2f}x the baseline on the set")
         for warm in (True, False):
             for n in (48, 96):
-                for name, make in LEARNERS.items():
+                for name, make in {**LEARNERS, **(VARIANTS if warm else {})}.items():
                     got = [run(make, seed, slow, n, warm) for seed in range(SEEDS)]
                     xs = sorted(g[0] for g in got)
-                    print(f"  {'warm-up 8+14' if warm else 'cold'}, {n} requests, {name:20s}: "
+                    print(f"  {'warm-up 8+14' if warm else 'cold'}, {n} requests, {name:21s}: "
                           f"mean {statistics.mean(xs):.3f}, p10 {xs[SEEDS // 10]:.3f}, worst {xs[0]:.3f}, "
                           f"below 0.95 in {sum(x < 0.95 for x in xs):3d} of {SEEDS}; "
                           f"sent to speculative {statistics.mean(g[1] for g in got):5.1f} "
