@@ -61,15 +61,13 @@ class Router:
 
     def pick(self) -> tuple[str, str]:
         with self._set():
-            return self._pick()
-
-    def _pick(self) -> tuple[str, str]:
-        d = decide(self.pol, View.of([BackendLoad(S, SPEC, 0, True), BackendLoad(B, BASE, 0, True)]), None, self.rng)
+            d = decide(self.pol, View.of([BackendLoad(S, SPEC, 0, True), BackendLoad(B, BASE, 0, True)]), None,
+                       self.rng)
         return d.pool, d.reason
 
     def fold(self, pool: str, row: list, dur: float, ttft: float) -> None:
         with self._set():
-                self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
+            self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
                                          data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
 
 
