@@ -86,13 +86,13 @@ MIN_INSTANCE_PREFILL = 3  # an instance's own prefill model from this many idle 
 # prompt's (the prefill model's per-token seconds times its uncached tokens minus the mix's), once the prefill
 # model holds COVARIATE_SAMPLES idle samples. On the llama.cpp pair one request's seconds per token scatter by
 # 0.36-0.38 (log sd), nearly all of it the prompt (the same prompt twice: 0.04); moved so, 0.18 and 0.26
-# (bench/results/ab-s42/covariate-replay.txt), and a robust fit of them is no longer 10-12% fast.
+# (bench/results/adaptive/covariate-replay.txt), and a robust fit of them is no longer 10-12% fast.
 COVARIATE_SAMPLES = 8
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
 # The first samples (up to MAX_EARLY of them) are folded unmoved and kept; once the covariate is measured the
 # models are rebuilt from them moved. At one client exploration ends on a pool's first 5 samples, and two long
 # prompts among them, unmoved for good, put the llama.cpp baseline a third slow alone, below exploration's floor
-# (bench/results/ab-s42/covariate-replay.py). Held out of the models until then instead (s42), a cold router
+# (bench/results/adaptive/covariate-replay.py). Held out of the models until then instead, a cold router
 # alternated its first 8 requests where prompts cost nothing: convex-10's one client went 30 -> 13 of 30 virtual
 # seeds. A server never found idle measures no prefill: its first MAX_EARLY samples then stay unmoved.
 MAX_EARLY = 2 * COVARIATE_SAMPLES
@@ -101,7 +101,7 @@ MAX_EARLY_LOG = 4 * MAX_EARLY  # what the rebuild replays, at most (accept-lengt
 # samples in all: a line through a few light-load samples, extrapolated to busier loads, routed a cold router worse
 # than load alone. On the virtual judge a cold router's first run came within 5% of the best at convex-10's 8
 # clients in 29 of 30 seeds (3 on the young models), on prefill-long in 134 of 180 cells (115)
-# (bench/results/ab-s43/judge-virtual-s43.md, judge-virtual-s43-rebuild-only.md).
+# (bench/results/judge/virtual.md, virtual-rebuild-only.md).
 YOUNG_SAMPLES = MAX_EARLY
 PROMPT_MIX_MEMORY = 100  # the typical prompt: an EWMA of every request's uncached tokens over about this many
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at

@@ -128,7 +128,7 @@ def test_the_estimated_prompt_size_counts_when_the_usage_gave_none():
 
 def learn_pair(monkeypatch, covariate: bool) -> dict:
     """Two servers alike (24 tokens decoded at 0.04 s each after a prefill of 0.05 s + 12.5 ms a prompt token,
-    the llama.cpp pair's: bench/results/ab-s41/engine-scatter.txt), no usage, each first served ten prompts of
+    the llama.cpp pair's: bench/results/adaptive/engine-scatter.txt), no usage, each first served ten prompts of
     every size, then by luck the speculative one only long prompts and the baseline only short ones."""
     import router.adaptive as adaptive
 

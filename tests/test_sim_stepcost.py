@@ -76,7 +76,7 @@ def test_kimi_bytes_and_flops_per_step_at_tp8():
     assert one.flops == pytest.approx(2 * per_gpu, rel=1e-9)
     assert active / 1e9 == pytest.approx(31.5, abs=0.5)  # "about 32B active per token"
     # the per-GPU slice of one MoE layer's attention, shared expert and router at bf16, as the GPU
-    # micro-benchmark holds it (branch i32, bench/results/gpu/run1/h200.json: dense_bytes 68,317,184 at one token,
+    # micro-benchmark holds it (bench/results/gpu/h200-first-run.json: dense_bytes 68,317,184 at one token,
     # these weights plus 28,672 bytes of activations)
     assert ((attn - down) / 8 + down + expert / 8 + gate) * 2 == 68_317_184 - 28_672
     # a 16-token verify reads the distinct experts its tokens wake: ~110 of them instead of 8

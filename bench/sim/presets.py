@@ -118,7 +118,7 @@ NVLINK = Interconnect(name="nvlink", base_us=5.0, hop_us=0.2, bus_gbs=360.0,
                       source="assumption: NCCL / custom all-reduce on 8x Hopper with NVSwitch")
 LINKS = {"pcie": PCIE_SEED, "nvlink": NVLINK}
 
-# GEMM efficiencies MEASURED on an H200 (GPU micro-benchmark, branch i32, bench/results/gpu/run1/h200.json), as
+# GEMM efficiencies MEASURED on an H200 (GPU micro-benchmark, its first full run: bench/results/gpu/h200-first-run.json), as
 # fractions of the datasheet bf16 rate: Kimi's routed experts (TP8 slice, bf16 grouped GEMM) at 1024 tokens,
 # 90.2 GFLOP in 2.170 ms = 4.2%; Llama-3.3-70B's dense layer (TP8 slice) at 1024 tokens, 0.3434 ms = 64%.
 # The rest is the seed box's fit (bench.sim.stepcost.fit_seed over both seed rows; docs/SIMULATOR.md).
