@@ -1,5 +1,7 @@
 """bench/results/ keeps the runs the docs cite, nothing else: every file there is named by a doc, test, script or
-code comment (its path, a glob or a folder that matches it), and every path they cite exists."""
+code comment (its path, a glob or a folder that matches it), every path they cite exists, no file there is named
+after a work session or a commit (git keeps the history), the folder stays small, and README.md and docs/ carry no
+session tags."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "bench/results"
@@ -18,6 +22,12 @@ SHELL_VAR = re.compile(r"\$\{?\w+\}?")
 # inside a README under bench/results/DIR/: a backticked name relative to DIR (`h200.json`, `smoke/`)
 LOCAL = re.compile(r"`([\w.*?{},/-]+(?:\.(?:json|log|png|csv|md|txt|sh)|/))`")
 SELF = "tests/test_bench_results.py"  # its examples are not citations
+# The kept runs are a few MB (judge JSONs and the H200 run are the largest); history lives in git, not here.
+MAX_RESULTS_BYTES = 5 * 1024 * 1024
+# A path segment named after a session (s31, ab-s44, i28, s32b), a numbered run (run1) or a commit (44caa1f).
+ITERATION_NAME = re.compile(r"(?:^|[/_.-])(?:(?:ab-)?s\d{2}[a-z]?|i\d{2}|run\d+|(?=[0-9a-f]*\d)[0-9a-f]{7,40})(?=[/_.-]|$)")
+# What a session tag looks like in prose (`s42`, `ab-s44`); README.md and docs/ must carry none.
+SESSION_TAG = re.compile(r"\bs[0-9]{2}\b|ab-s[0-9]+")
 CITING_SUFFIXES = {".md", ".py", ".sh", ".txt", ".toml", ".yml", ".yaml"}
 
 
@@ -106,3 +116,31 @@ def test_every_result_file_is_cited():
     assert not orphans, (f"{len(orphans)} file(s) under {RESULTS} that no doc, test or script names (cite each "
                          f"where its figures are discussed as `{RESULTS}/NAME`, a glob or its folder, or delete "
                          f"it): {orphans}")
+
+
+def test_the_iteration_name_pattern_sees_sessions_runs_and_commits():
+    for bad in ["bench/results/ab-s44/x.md", "bench/results/judge-s29-llamacpp.sh", "bench/results/a-44caa1f.json",
+                "bench/results/gpu/run1/h200.json", "bench/results/x-s32b.md", "bench/results/c-i28-light.csv"]:
+        assert ITERATION_NAME.search(bad), bad
+    for good in ["bench/results/judge/llamacpp-96.md", "bench/results/gpu/h200.json", "bench/results/eagle3-good-tp4.json",
+                 "bench/results/verdict/demo-kimi-k25-h200-nvlink-adaptive-a55.json", "bench/results/judge/family-issue28.md",
+                 "bench/results/stepcost/plan-deepseek-v3-h200-nvlink.txt"]:
+        assert not ITERATION_NAME.search(good), good
+
+
+def test_no_result_is_named_after_a_session_a_run_or_a_commit():
+    named = [f for f in RESULT_FILES if ITERATION_NAME.search(f[len(RESULTS):])]
+    assert not named, f"name these by what they measure (git mv), or delete them: {named}"
+
+
+def test_the_results_folder_stays_small():
+    total = sum((ROOT / f).stat().st_size for f in RESULT_FILES)
+    assert total <= MAX_RESULTS_BYTES, (f"{RESULTS} holds {total:,} bytes, over {MAX_RESULTS_BYTES:,}: keep the runs "
+                                        "a doc cites today, JSON and reports rather than plots, and let git keep the rest")
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(f for f in FILES if f.startswith("docs/") and f.endswith(".md"))])
+def test_docs_carry_no_session_tags(doc):
+    lines = [f"{n}: {line.strip()[:100]}" for n, line in
+             enumerate((ROOT / doc).read_text(encoding="utf-8").splitlines(), 1) if SESSION_TAG.search(line)]
+    assert not lines, f"{doc} names work sessions (say what changed, not when): {lines}"
