@@ -19,7 +19,7 @@ RESULTS = "bench/results"
 # them. The folder bench/results/ itself names nothing in particular.
 CITED = re.compile(r"bench/results/[\w.*?{},/$-]*[\w*}/]")
 SHELL_VAR = re.compile(r"\$\{?\w+\}?")
-# inside a README under bench/results/DIR/: a backticked name relative to DIR (`h200.json`, `smoke/`)
+# inside a README under bench/results/DIR/: a backticked name relative to DIR (`h200.json`, `plots/`)
 LOCAL = re.compile(r"`([\w.*?{},/-]+(?:\.(?:json|log|png|csv|md|txt|sh)|/))`")
 SELF = "tests/test_bench_results.py"  # its examples are not citations
 # The kept runs are a few MB (judge JSONs and the H200 run are the largest); history lives in git, not here.
