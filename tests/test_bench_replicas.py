@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import replicas
+from bench.lab import replicas
 from bench.__main__ import main as bench_main
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import cli, figures, peers, procs
+from bench import cli, figures, procs
+from bench.lab import peers
 from bench.cli import ArgError, NotServing
 
 TRACE = Path("../shared/data/mooncake/conversation_trace_first_30min.jsonl")
