@@ -57,7 +57,7 @@ def usage() -> str:
 def missing_extra_line(command: str, module: str) -> str:
     extra = EXTRA_OF[module]
     how = "bash scripts/install_engine.sh" if extra == "engine" else f"pip install 'spec-router[{extra}]'"
-    return f"bench {command} needs the {extra} extra ({module} is not installed): {how}"
+    return f"spec-bench {command} needs the {extra} extra ({module} is not installed): {how}"
 
 
 def missing_module(command: str, args: list[str]) -> str | None:
@@ -93,7 +93,7 @@ def _exit_now(code: int) -> None:
     from bench import procs
 
     procs.stop_all()
-    print(f"bench: stopped after SIGTERM (its unwinding did not finish within {UNWIND_S:g}s)", file=sys.stderr)
+    print(f"spec-bench: stopped after SIGTERM (its unwinding did not finish within {UNWIND_S:g}s)", file=sys.stderr)
     os._exit(code)
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"bench: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"spec-bench: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if (module := missing_module(name, rest)) is not None:
         print(missing_extra_line(name, module), file=sys.stderr)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
     except KeyboardInterrupt:  # Ctrl-C: the servers it started are stopped on the way out (procs.ProcGroup)
-        print(f"bench {name}: interrupted", file=sys.stderr)
+        print(f"spec-bench {name}: interrupted", file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:
         # A lazy import deeper down: the same one line if it is an extra's module, a real bug otherwise.

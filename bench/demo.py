@@ -56,12 +56,12 @@ def main(argv: list[str]) -> int:
     try:
         ns = p.parse_args(argv)
     except ArgError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     try:
         prof, unfit = profiles(ns)
     except ArgError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     # with --preset a deployment that does not fit is not run (its TP4 profiles cannot even be derived)
     skip = set(unfit) if ns.preset else set()
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
             _profile(prof[k])
         curves = {k: model_curve(prof[k], ns.max_tokens) for k in need if k != "adaptive"}
     except ProfileError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     g_threshold = global_threshold(Curve.from_setting(curves["spec8"]), Curve.from_setting(curves["base8"]))
     hysteresis = default_hysteresis(g_threshold)
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
                               speedup=ns.speedup, rounds=2, min_requests=8)
             results = run_async(run_sweep(cfg))
     except (BenchInputError, procs.ProcError, ProfileError, NotServing) as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     configs = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind not in skip]
     refs = [TP8_BASE, TP8_SPEC, TP8_ADAPTIVE]
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     print()
     if configs:
         print(equal.render_text(rows, configs, refs, gpus))
-    title = (f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
+    title = (f"spec-bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
              + (f", {ns.preset}" if ns.preset else "") + ")")
     shown_unfit = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind in unfit and n in results]
     if shown_unfit:  # the picture alone must not offer them either

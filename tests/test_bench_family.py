@@ -297,7 +297,7 @@ def test_judge_and_family_commands_refuse_bad_flags(capsys):
     assert judge.main(["--speculative", "http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9",
                        "--member", "linear-12"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 6 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
+    assert len(err) == 6 and all(line.startswith(("spec-bench judge: ", "spec-bench family: ")) for line in err)
 
 
 def test_judge_a_running_pair_end_to_end(tmp_path):

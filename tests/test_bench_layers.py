@@ -78,7 +78,7 @@ def test_every_dispatched_module_exists():
 def test_no_command_module_imports_another_command_module(command):
     module = COMMANDS[command][0]
     bad = commands_in(imports_of(module_path(module)), exclude=module)
-    assert not bad, (f"bench {command} ({module}) imports the command module(s) {sorted(bad)}: move what they "
+    assert not bad, (f"spec-bench {command} ({module}) imports the command module(s) {sorted(bad)}: move what they "
                      "share into a helper module (docs/ARCHITECTURE.md, bench/ layers)")
 
 

@@ -79,7 +79,7 @@ def test_a_bad_shape_file_gets_one_line_and_exit_2(capsys, tmp_path):
     bad.write_text("name: mine\nlayers: many\n")
     rc, out, err = run(capsys, "--shape", str(bad))
     assert rc == 2 and out == ""
-    assert err.startswith(f"bench plan: invalid shape file {bad}: layers:") and err.count("\n") == 1
+    assert err.startswith(f"spec-bench plan: invalid shape file {bad}: layers:") and err.count("\n") == 1
     rc, _, err = run(capsys, "--shape", str(tmp_path / "none.yaml"))
     assert rc == 2 and "shape file not found" in err
 

@@ -95,4 +95,4 @@ def test_judge_virtual_command(tmp_path, capsys):
 def test_judge_virtual_bad_flags(argv, capsys):
     assert judge_cmd.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("bench judge: ")
+    assert len(err) == 1 and err[0].startswith("spec-bench judge: ")

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("judge", __doc__.splitlines()[0])
     p.add_argument("--member", action="append", choices=sorted(MEMBERS), help="repeatable; default: all")
     p.add_argument("--speculative", type=_url, metavar="URL",
-                   help="with --baseline: judge this running pair instead of family members (e.g. `bench engines`)")
+                   help="with --baseline: judge this running pair instead of family members (e.g. `spec-bench engines`)")
     p.add_argument("--baseline", type=_url, metavar="URL")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="passed to every router started (repeatable), e.g. --router-arg=--health-path=/openapi.json "
