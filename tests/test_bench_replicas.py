@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.lab import replicas
 from bench.__main__ import main as bench_main
+from bench.lab import replicas
 
 
 @pytest.mark.timeout(300)

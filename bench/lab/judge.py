@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from bench import procs
-from bench.lab import routesim
 from bench.cli import BARE_TARGET, ArgError, NotServing, fail, int_list, parser, target
+from bench.lab import routesim
 from bench.lab.family import MEMBERS
 from bench.lab.judging import BAR, Judge, luck_adjusted, luck_slope
 from bench.load import BenchInputError

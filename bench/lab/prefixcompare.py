@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 
 from bench import cli, figures, procs
-from bench.lab import peers
 from bench.cli import ArgError, NotServing
+from bench.lab import peers
 
 TRACE = Path("../shared/data/mooncake/conversation_trace_first_30min.jsonl")
 MODEL = "kimi-k2.5-sim"  # one served name on every simulator: smg and vllm-router route by model name
