@@ -46,10 +46,11 @@ NEEDS: dict[str, tuple[str, ...]] = {
 
 
 def usage() -> str:
+    width = max(map(len, COMMANDS)) + 2
     lines = ["usage: spec-bench COMMAND [options]   (or: python -m bench COMMAND [options])", "", "commands:"]
-    lines += [f"  {name:<13} {text}" for name, (_, text) in USER_COMMANDS.items()]
+    lines += [f"  {name:<{width}}{text}" for name, (_, text) in USER_COMMANDS.items()]
     lines += ["", "lab commands (how the router is judged and stressed; bench/lab/):"]
-    lines += [f"  {name:<13} {text}" for name, (_, text) in LAB_COMMANDS.items()]
+    lines += [f"  {name:<{width}}{text}" for name, (_, text) in LAB_COMMANDS.items()]
     lines += ["", "`spec-bench COMMAND --help` documents each command."]
     return "\n".join(lines)
 
