@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
                         "for eagle3-good, PRESET.adaptive[-good]-tp8 with --preset)")
     p.add_argument("--preset", default=DEFAULT_PRESET,
                    help="profiles from the step-cost model for this box (bench.sim.presets: "
-                   f"compose (the default: Llama-3.3-70B on 8x RTX PRO 6000), seed (Kimi K2.5 on the same box), "
+                   "compose (the default: Llama-3.3-70B on 8x RTX PRO 6000), seed (Kimi K2.5 on the same box), "
                    "kimi-k25-h200-nvlink, llama70b-h200-nvlink, ...): PRESET.baseline-tpN, "
                    "PRESET.tree-tpN (--drafter eagle3) or PRESET.chain3-good-tpN (eagle3-good), "
                    "PRESET.adaptive[-good]-tp8; deployments that do not fit its GPUs are not run. "
@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
                 return (f"\n  {'':<17} NOT RUN: {unfit[kind]}" if kind in skip else
                         f"\n  {'':<17} DOES NOT FIT the model these profiles describe ({unfit[kind]}): shown as "
                         "if it did, never recommended")
-            print(f"{_box_text(ns)}; drafter: {DRAFTER_TEXT.get(ns.drafter, ns.drafter)}")
+            drafter = DRAFTER_TEXT[ns.drafter] if ns.preset != FITTED else f"the {ns.drafter}-tpN profiles"
+            print(f"{_box_text(ns)}; drafter: {drafter}")
             if ns.preset != FITTED and not unfit and _on_default_box(ns.preset) and (
                     elsewhere := where_it_does_not_fit()):
                 print(elsewhere)

@@ -13,7 +13,7 @@ ADAPTIVE_OF = {"eagle3": "adaptive-tp8", "eagle3-good": "adaptive-good-tp8"}
 # the first run shows where the router's deployments pay; the better drafter (a 3-step chain accepting 0.7 per
 # token, an assumption) because with the seed's tree the router's deployments win no load there.
 DEFAULT_PRESET, DEFAULT_DRAFTER = "compose", "eagle3-good"
-# What each drafter family is, said in the demo's first lines (the router's case rests on it).
+# What each preset drafter is, said in the demo's first lines (the router's case rests on it).
 DRAFTER_TEXT = {"eagle3": "the seed's EAGLE-3 tree (accept length 2.5, measured)",
                 "eagle3-good": "a better drafter (a 3-step chain accepting 0.7 per token: an assumption)"}
 # --preset fitted: the built-in profiles fitted to the seed's measured rows (Kimi K2.5 on 8 x RTX PRO 6000)
