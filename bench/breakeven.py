@@ -92,7 +92,9 @@ def make_plan(files: list[dict], against: str | None = None, noise: float = equa
         if all(n in results for n in SINGLE):
             spec = calibration.Curve.from_figs(results["all-speculative"])
             base = calibration.Curve.from_figs(results["all-baseline"])
-        configs = data.get("configs") or [n for n in results if n not in (data.get("references") or {})]
+        # a file that lists its configurations (a demo's: only the deployments that fit) is taken at its word
+        configs = (data["configs"] if data.get("configs") is not None else
+                   [n for n in results if n not in (data.get("references") or {})])
         kinds = data.get("kinds") or {}  # a demo run: several deployments in one file, each named already
         for n in configs:
             if n in SINGLE:

@@ -33,14 +33,14 @@ def main(argv: list[str]) -> int:
                 raise ArgError(f"--{name}: expected http://HOST:PORT, got {url!r}")
             targets.append((name, url.rstrip("/").removesuffix("/v1")))
     except ArgError as exc:
-        print(f"bench calibrate: {exc}", file=sys.stderr)
+        print(f"spec-bench calibrate: {exc}", file=sys.stderr)
         return 2
     cfg = config_from_args(ns, targets)
     try:
         results = run_async(run_sweep(cfg))
         spec, base = Curve.from_figs(results["speculative"]), Curve.from_figs(results["baseline"])
     except BenchInputError as exc:
-        print(f"bench calibrate: {exc}", file=sys.stderr)
+        print(f"spec-bench calibrate: {exc}", file=sys.stderr)
         return 2
     levels = sorted(set(spec.levels) & set(base.levels))
     rec = recommend(spec, base, levels, ns.objective, ns.speculative_instances, ns.baseline_instances)
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         print(f"modelled deployment: {ns.speculative_instances} speculative + {ns.baseline_instances} baseline "
               "instances; concurrency levels are clients against the whole deployment")
     print(render(rec, spec, base, levels))
-    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench calibrate: each pool alone",
+    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="spec-bench calibrate: each pool alone",
                           plot=not ns.no_plot, extra={"recommendation": rec_json(rec)})
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0

@@ -23,7 +23,7 @@ PROG = "spec-bench"
 
 class Parser(OneLineParser):
     """argparse for a spec-bench command: `prog` is `spec-bench CMD` in every usage line; no abbreviations, and a
-    bad flag raises ArgError (router.cliargs): the command prints `bench CMD: MESSAGE` (one line), exit 2."""
+    bad flag raises ArgError (router.cliargs): the command prints `spec-bench CMD: MESSAGE` (one line), exit 2."""
 
     def __init__(self, command: str, description: str | None = None, **kw) -> None:
         super().__init__(prog=f"{PROG} {command}", description=description, **kw)
@@ -35,7 +35,7 @@ def parser(command: str, description: str | None = None) -> Parser:
 
 def fail(command: str, exc: BaseException | str) -> int:
     """The one line of a user-caused error; returns the exit code 2."""
-    print(f"bench {command}: {exc}", file=sys.stderr)
+    print(f"spec-bench {command}: {exc}", file=sys.stderr)
     return 2
 
 

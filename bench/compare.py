@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--speculative", metavar="URL", help="use this running speculative server instead of a sim")
     p.add_argument("--baseline", metavar="URL", help="use this running baseline server instead of a sim")
     p.add_argument("--colocated", action="store_true",
-                   help="simulators: both servers share one simulated set of GPUs (bench sim --colocated-with); "
+                   help="simulators: both servers share one simulated set of GPUs (spec-bench sim --colocated-with); "
                         "the pair then uses the GPUs of one of them, not both")
     p.add_argument("--kv-share", type=float, default=0.5,
                    help="--colocated: the speculative server's share of the KV memory (default 0.5)")
@@ -275,7 +275,7 @@ def main(argv: list[str]) -> int:
             raise ArgError("reference names must be unique and differ from the configuration names")
         ns.reference = equal.resolve_gpus(ns.reference, ns.reference_gpus)
     except (ArgError, ProfileError, ValueError) as exc:
-        print(f"bench compare: {exc}", file=sys.stderr)
+        print(f"spec-bench compare: {exc}", file=sys.stderr)
         return 2
     external = ns.speculative is not None
     if ns.speedup is None:
@@ -283,10 +283,10 @@ def main(argv: list[str]) -> int:
     try:
         ns.pair_gpus = ns.gpus if ns.gpus is not None or external else _pair_gpus(ns)
     except ProfileError as exc:
-        print(f"bench compare: {exc}", file=sys.stderr)
+        print(f"spec-bench compare: {exc}", file=sys.stderr)
         return 2
     if ns.reference and ns.pair_gpus is None:
-        print("bench compare: say how many GPUs your two servers use together (--gpus N) to compare them "
+        print("spec-bench compare: say how many GPUs your two servers use together (--gpus N) to compare them "
               "with references", file=sys.stderr)
         return 2
     name = ns.name or ("compare" if external else
@@ -296,7 +296,7 @@ def main(argv: list[str]) -> int:
         with procs.ProcGroup() as group:
             return _run(ns, group, external, name, "python -m bench compare " + " ".join(argv))
     except (BenchInputError, procs.ProcError, NotServing) as exc:
-        print(f"bench compare: {exc}", file=sys.stderr)
+        print(f"spec-bench compare: {exc}", file=sys.stderr)
         return 2
 
 
@@ -326,7 +326,7 @@ def _rerender(path: Path) -> int:
         data = json.loads(path.read_text(encoding="utf-8"))
         text, md, extra = report(data)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, BenchInputError) as exc:
-        print(f"bench compare: cannot re-render {path}: {type(exc).__name__} {exc}", file=sys.stderr)
+        print(f"spec-bench compare: cannot re-render {path}: {type(exc).__name__} {exc}", file=sys.stderr)
         return 2
     print(text)
     figures.plot(path.with_suffix(".png"), data["results"], title=extra["title"], gpus=data.get("gpus"))
@@ -505,7 +505,7 @@ def report(data: dict) -> tuple[str, str, dict]:
     win = winners(own)
     lines, rows = verdict(own, rec, threshold, spec_curve, base_curve)
     pair = "co-located pair" if cfg.get("colocated") else "pair"
-    title = f"bench compare: {cfg['speculative']} vs {cfg['baseline']}, spillover threshold {threshold}"
+    title = f"spec-bench compare: {cfg['speculative']} vs {cfg['baseline']}, spillover threshold {threshold}"
     if configs and gpus.get(configs[0]):
         title += f" ({pair} on {equal.gpus_label(gpus[configs[0]])})"
     text = [title, ""]

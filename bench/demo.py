@@ -17,11 +17,16 @@ from bench.cli import ArgError, NotServing, int_list, parser, positive, run_asyn
 from bench.cli import profile as _profile
 from bench.deployments import (
     COLOCATED,
+    DEFAULT_DRAFTER,
+    DEFAULT_PRESET,
+    DRAFTER_TEXT,
+    FITTED,
     SPLIT,
     TP8_ADAPTIVE,
     TP8_BASE,
     TP8_SPEC,
     profiles,
+    where_it_does_not_fit,
 )
 from bench.levels import SweepConfig, run_sweep, write_outputs
 from bench.load import BenchInputError
@@ -33,45 +38,50 @@ def main(argv: list[str]) -> int:
                "On the same 8 simulated GPUs: TP8 baseline alone, TP4+TP4 split with the router (balanced), the "
                "co-located TP8 pair with the router (global), TP8 EAGLE-3 alone, TP8 adaptive speculation "
                "(SGLang --speculative-adaptive); which wins where, and which do not fit.")
-    p.add_argument("--drafter", default="eagle3",
-                   help="speculative profile family: DRAFTER-tp8 and DRAFTER-tp4 (default eagle3, the seed "
-                        "profiles; eagle3-good for the better drafter)")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                   help=f"speculative profile family: eagle3 (the seed's tree) or eagle3-good (the better drafter, "
+                        f"default {DEFAULT_DRAFTER}); with --preset {FITTED}, any DRAFTER with DRAFTER-tp8 and "
+                        "DRAFTER-tp4 profiles")
     p.add_argument("--baseline", default="baseline", help="baseline profile family (default baseline)")
     p.add_argument("--split-profile", default=None, metavar="PROFILE",
                    help="the split's speculative TP4 profile, a name or a .json file (default DRAFTER-tp4)")
     p.add_argument("--adaptive-profile", default=None, metavar="PROFILE",
                    help="the TP8 adaptive-speculation server's profile (default adaptive-tp8, adaptive-good-tp8 "
                         "for eagle3-good, PRESET.adaptive[-good]-tp8 with --preset)")
-    p.add_argument("--preset", default=None, help="profiles from the step-cost model for this box (bench.sim.presets: "
-                   "seed, compose, kimi-k25-h200-nvlink, llama70b-h200-nvlink, ...): PRESET.baseline-tpN, "
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help="profiles from the step-cost model for this box (bench.sim.presets: "
+                   "compose (the default: Llama-3.3-70B on 8x RTX PRO 6000), seed (Kimi K2.5 on the same box), "
+                   "kimi-k25-h200-nvlink, llama70b-h200-nvlink, ...): PRESET.baseline-tpN, "
                    "PRESET.tree-tpN (--drafter eagle3) or PRESET.chain3-good-tpN (eagle3-good), "
-                   "PRESET.adaptive[-good]-tp8; deployments that do not fit its GPUs are not run")
+                   "PRESET.adaptive[-good]-tp8; deployments that do not fit its GPUs are not run. "
+                   f"{FITTED}: the built-in profiles fitted to the seed's measured rows (Kimi K2.5), where the "
+                   "deployments that do not fit run and are shown, never compared against")
     p.add_argument("--speculative-cap", type=positive(int), default=None, metavar="N",
                    help="--max-running-requests of the TP8 EAGLE-3 and adaptive servers (default: SGLang's 48 "
                         "for a speculative server)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64])
-    p.add_argument("--max-tokens", type=positive(int), default=128)
+    p.add_argument("--max-tokens", type=positive(int), default=256)
     p.add_argument("--speedup", type=positive(float), default=10.0)
     p.add_argument("--out", type=Path, default=Path("bench-out/demo"))
     try:
         ns = p.parse_args(argv)
     except ArgError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     try:
         prof, unfit = profiles(ns)
     except ArgError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
-    # with --preset a deployment that does not fit is not run (its TP4 profiles cannot even be derived)
-    skip = set(unfit) if ns.preset else set()
+    # with a preset a deployment that does not fit is not run (its TP4 profiles cannot even be derived)
+    skip = set(unfit) if ns.preset != FITTED else set()
     need = [k for k in prof if not (k in ("spec4", "base4") and "split" in skip)]
     try:
         for k in need:
             _profile(prof[k])
         curves = {k: model_curve(prof[k], ns.max_tokens) for k in need if k != "adaptive"}
     except ProfileError as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
     g_threshold = global_threshold(Curve.from_setting(curves["spec8"]), Curve.from_setting(curves["base8"]))
     hysteresis = default_hysteresis(g_threshold)
@@ -85,6 +95,11 @@ def main(argv: list[str]) -> int:
                 return (f"\n  {'':<17} NOT RUN: {unfit[kind]}" if kind in skip else
                         f"\n  {'':<17} DOES NOT FIT the model these profiles describe ({unfit[kind]}): shown as "
                         "if it did, never recommended")
+            drafter = DRAFTER_TEXT[ns.drafter] if ns.preset != FITTED else f"the {ns.drafter}-tpN profiles"
+            print(f"{_box_text(ns)}; drafter: {drafter}")
+            if ns.preset != FITTED and not unfit and _on_default_box(ns.preset) and (
+                    elsewhere := where_it_does_not_fit()):
+                print(elsewhere)
             print(f"same {equal.gpus_label(gpus[TP8_BASE])}, simulated (clocks {ns.speedup:g}x fast, figures in "
                   f"simulated time), five deployments:\n"
                   f"  {TP8_BASE:<17} {prof['base8']} alone\n"
@@ -104,13 +119,16 @@ def main(argv: list[str]) -> int:
                               speedup=ns.speedup, rounds=2, min_requests=8)
             results = run_async(run_sweep(cfg))
     except (BenchInputError, procs.ProcError, ProfileError, NotServing) as exc:
-        print(f"bench demo: {exc}", file=sys.stderr)
+        print(f"spec-bench demo: {exc}", file=sys.stderr)
         return 2
-    configs = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind not in skip]
+    # A deployment that does not fit is never what another is compared against: only those that fit are judged.
+    configs = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind not in unfit]
     refs = [TP8_BASE, TP8_SPEC, TP8_ADAPTIVE]
-    rows = equal.judge(results, configs, refs, gpus) if configs else []
-    lines = equal.verdict_lines(rows, configs, refs, gpus) if configs else [
-        f"no router deployment fits these GPUs ({'; '.join(unfit.values())}): only the TP8 servers ran"]
+    rows = equal.judge(results, configs, refs, gpus)
+    lines = equal.verdict_lines(rows, configs, refs, gpus)
+    if not configs:
+        lines.insert(0, "no router deployment fits these GPUs (why: above): the TP8 servers are compared among "
+                        "themselves")
     ref_profiles = {TP8_BASE: prof["base8"], TP8_SPEC: prof["spec8"], TP8_ADAPTIVE: prof["adaptive"]}
     extra = {"configs": configs, "kinds": {SPLIT: "split", COLOCATED: "colocated"},
              "references": {n: {"profile": ref_profiles[n], "url": None, "gpus": gpus[n]} for n in refs},
@@ -128,8 +146,8 @@ def main(argv: list[str]) -> int:
     print()
     if configs:
         print(equal.render_text(rows, configs, refs, gpus))
-    title = (f"bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
-             + (f", {ns.preset}" if ns.preset else "") + ")")
+    title = (f"spec-bench demo: the same {equal.gpus_label(gpus[TP8_BASE])} (simulated), five deployments ({ns.drafter}"
+             f", {ns.preset})")
     shown_unfit = [n for n, kind in ((SPLIT, "split"), (COLOCATED, "colocated")) if kind in unfit and n in results]
     if shown_unfit:  # the picture alone must not offer them either
         title += f"\n{' and '.join(shown_unfit)}: do not fit this model on these GPUs (shown, never recommended)"
@@ -137,6 +155,21 @@ def main(argv: list[str]) -> int:
     print(f"\nplot: {paths[-1]}\ndata: {paths[0]}, {paths[1]}")
     print(next_step(paths[0]))
     return 0
+
+
+def _box_text(ns) -> str:
+    """The model and box the profiles describe, said first."""
+    if ns.preset == FITTED:
+        return f"{FITTED} profiles (the seed's measured rows): Kimi K2.5 on 8x RTX PRO 6000 over PCIe"
+    from bench.sim import presets
+
+    return f"preset {ns.preset}: {presets.box(ns.preset).description}"
+
+
+def _on_default_box(preset: str) -> bool:
+    from bench.sim import presets
+
+    return presets.box(preset).name == presets.box(DEFAULT_PRESET).name
 
 
 def next_step(data: Path) -> str:

@@ -197,7 +197,7 @@ def headline(rows: list[dict], configs: list[str], refs: list[str], gpus: dict[s
     if not by_winner and not ties:
         return "verdict: nothing completed a request"
     note = hardware_note(configs + refs, gpus)
-    suffix = f" ({note})" if note else f" (every deployment here uses {gpus_label(gpus.get(configs[0]))})"
+    suffix = f" ({note})" if note else f" (every deployment here uses {gpus_label(gpus.get((configs + refs)[0]))})"
     pairs = "; ".join(f"{a} and {b} at c={_levels(lv)}" for (a, b), lv in tied.items())
     if not by_winner:
         return (f"verdict: no deployment wins on throughput by more than the {NOISE:.0%} noise band at any level: "

@@ -459,17 +459,17 @@ def main(argv: list[str]) -> int:
     try:
         ns = p.parse_args(argv)
     except ArgError as exc:
-        print(f"bench overhead: {exc} (see --help)", file=sys.stderr)
+        print(f"spec-bench overhead: {exc} (see --help)", file=sys.stderr)
         return 2
     ns.targets = [x.strip() for x in ns.targets.split(",") if x.strip()]
     ns.points = [x.strip() for x in ns.points.split(",") if x.strip()]
     if (problem := _check(ns)) is not None:
-        print(f"bench overhead: {problem}", file=sys.stderr)
+        print(f"spec-bench overhead: {problem}", file=sys.stderr)
         return 2
     try:
         result = run(ns)
     except (OverheadError, procs.ProcError, NotServing) as exc:
-        print(f"bench overhead: {exc}", file=sys.stderr)
+        print(f"spec-bench overhead: {exc}", file=sys.stderr)
         return 1
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

@@ -47,10 +47,10 @@ def main(argv: list[str]) -> int:
                 if not advice.fits[name].fits}
             plan = make_plan(files, ns.against, unfit=unfit)
     except (ArgError, BenchInputError, ShapeError, memory.MemoryFitError) as exc:
-        print(f"bench plan: {exc}", file=sys.stderr)
+        print(f"spec-bench plan: {exc}", file=sys.stderr)
         return 2
     except (KeyError, TypeError, AttributeError) as exc:
-        print(f"bench plan: not a compare/demo JSON: {type(exc).__name__} {exc}", file=sys.stderr)
+        print(f"spec-bench plan: not a compare/demo JSON: {type(exc).__name__} {exc}", file=sys.stderr)
         return 2
     parts = []
     if advice is not None:

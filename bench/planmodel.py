@@ -227,6 +227,10 @@ def render(adv: Advice) -> str:
                  f"{box.link.name}; closed loop, {inp.max_tokens} output tokens, {inp.prompt_tokens:g}-token prompts; "
                  f"tree accept length {inp.tree_accept:g} measured, chains at per-token acceptance {inp.alpha:g} "
                  f"assumed; every setting on the same {g} GPUs, TP{g}):")
+    t = stepcost.tree()
+    lines.append(f"  (tree = EAGLE-3's draft tree, topk {t.topk}, {t.steps} steps, {t.draft_tokens} draft tokens: the "
+                 "seed's setting; chainN = a topk-1 chain of N draft steps, --speculative-eagle-topk 1 "
+                 "--speculative-num-steps N)")
     if not tp_ok:
         lines.append(f"  TP{g} does not fit either: nothing to recommend on these GPUs")
         return "\n".join(lines)
@@ -240,7 +244,7 @@ def render(adv: Advice) -> str:
     if "adaptive" in adv.tput:
         lines.append("  adaptive = SGLang --speculative-adaptive's default table, best allowed step count per batch "
                      "(an upper bound on its controller): " +
-                     ", ".join(f"c={c}: {k} steps" for c, k in adv.adaptive_choice.items()))
+                     ", ".join(f"c={c}: {k} step{'' if k == 1 else 's'}" for c, k in adv.adaptive_choice.items()))
         lines.append("    (its controller picks by measured acceptance, not cost: `spec-bench sim --profile "
                      "PRESET.adaptive-tp8` runs it; `spec-bench demo --preset PRESET` compares it)")
     lines.append("")

@@ -532,14 +532,14 @@ def main(argv: list[str]) -> int:
         ns = build_parser().parse_args(argv)
         cli.unique_targets(ns.target)
     except cli.ArgError as exc:
-        print(f"bench replay: {exc}", file=sys.stderr)
+        print(f"spec-bench replay: {exc}", file=sys.stderr)
         return 2
     try:
         wl = workload_from_args(ns)
         print(f"replay: {wl.description}; {wl.requests} requests; {scale_note(wl.token_scale)}", file=sys.stderr)
         results = cli.run_async(replay(ns, wl))
     except BenchInputError as exc:
-        print(f"bench replay: {exc}", file=sys.stderr)
+        print(f"spec-bench replay: {exc}", file=sys.stderr)
         return 2
     print(render(results, wl))
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -557,12 +557,12 @@ def main(argv: list[str]) -> int:
     if not ns.no_plot and all(f["request_rate"] for figs in results.values() for f in figs):
         try:
             paths.append(figures.plot(ns.out / f"{ns.name}.png", results,
-                                      title=f"bench replay ({scale_note(ns.token_scale)})"))
+                                      title=f"spec-bench replay ({scale_note(ns.token_scale)})"))
         except ModuleNotFoundError:
-            print("bench replay: no plot (matplotlib is not installed: pip install 'spec-router[bench]')",
+            print("spec-bench replay: no plot (matplotlib is not installed: pip install 'spec-router[bench]')",
                   file=sys.stderr)
     print("wrote " + ", ".join(str(x) for x in paths))
     if all(f["completed"] == 0 for figs in results.values() for f in figs):
-        print("bench replay: no request succeeded; see the 'failed' column and errors in the JSON", file=sys.stderr)
+        print("spec-bench replay: no request succeeded; see the 'failed' column and errors in the JSON", file=sys.stderr)
         return 1
     return 0

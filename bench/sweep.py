@@ -25,19 +25,19 @@ def main(argv: list[str]) -> int:
         ns = p.parse_args(argv)
         unique_targets(ns.target)
     except ArgError as exc:
-        print(f"bench sweep: {exc}", file=sys.stderr)
+        print(f"spec-bench sweep: {exc}", file=sys.stderr)
         return 2
     cfg = config_from_args(ns, ns.target)
     try:
         results = run_async(run_sweep(cfg))
     except BenchInputError as exc:
-        print(f"bench sweep: {exc}", file=sys.stderr)
+        print(f"spec-bench sweep: {exc}", file=sys.stderr)
         return 2
     print(figures.render_table(results))
-    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="bench sweep", plot=not ns.no_plot)
+    paths = write_outputs(ns.out, ns.name, cfg.as_dict(), results, title="spec-bench sweep", plot=not ns.no_plot)
     print("wrote " + ", ".join(str(x) for x in paths))
     if all(f["completed"] == 0 for figs in results.values() for f in figs):
-        print("bench sweep: no request succeeded; see the 'failed' column and errors in the JSON",
+        print("spec-bench sweep: no request succeeded; see the 'failed' column and errors in the JSON",
               file=sys.stderr)
         return 1
     return 0

@@ -35,7 +35,8 @@ def _metavar(annotation: object) -> str:
         return "{" + ",".join(typing.get_args(kind)) + "}"
     if typing.get_origin(kind) is tuple:
         return "C:TOK_S,..."  # a throughput curve
-    return {int: "N", float: "SECONDS", str: "TEXT"}.get(kind, "KEY")  # type: ignore[call-overload]
+    # a switch takes its value (true/false, also 1/0, yes/no, on/off: pydantic's words)
+    return {bool: "{true,false}", int: "N", float: "SECONDS", str: "TEXT"}.get(kind, "KEY")  # type: ignore[call-overload]
 
 
 SHORT_USAGE = (f"{PROG} serve [--speculative URL]... [--baseline URL]... [--config FILE] [--policy NAME] "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import HttpVersion11, web
@@ -21,7 +22,7 @@ from router.errors import (
 )
 from router.exchange import BACKEND_HEADER
 from router.health import report, summary
-from router.pools import Backend
+from router.pools import IN_ROTATION, Backend
 from router.state import STATE, RouterState
 
 
@@ -117,10 +118,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once a backend passed its probes; both answers name every backend's state and last probe result."""
+    """200 once a backend passed its probes; both answers name every backend's state and last probe result.
+    `backends` says whether each is in rotation now (up, or on trial after an ejection), read from the same
+    state as `probes`: a backend whose probes pass but that outlier detection ejected is `false`, "ejected"."""
     pools = request.app[STATE].pools
-    up = {b.url: b.healthy for b in pools.backends}
-    probes = report(pools.backends)
+    probes = report(pools.backends, time.monotonic())
+    up = {url: p["state"] in IN_ROTATION for url, p in probes.items()}
     if not pools.any_healthy():
         err = NoHealthyBackend(f"no backend is healthy yet: {summary(pools.backends)}")
         body = err.body()

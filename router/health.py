@@ -4,8 +4,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import time
 
-from router import upstream
+from router import outlier, upstream
 from router.errors import PROBE_FAILED, PROBE_OK, Failure
 from router.metrics import Metrics
 from router.pools import Backend, Pools
@@ -27,7 +28,7 @@ class ProbeState:
 
     def __init__(self) -> None:
         self.path: str | None = None  # None: the configured health_path
-        self.logged: str | None = None  # the result of the last WARNING, None while up
+        self.logged: str | None = None  # what the last WARNING said (its result), None while up
         self.fell_back = False  # the fallback was announced (once per backend)
 
 
@@ -44,6 +45,14 @@ def describe_connect(exc: upstream.ConnectFailed) -> str:
     return f"cannot connect: {e.strerror or e}"
 
 
+def _ejection(b: Backend) -> str:
+    """Why outlier detection keeps the backend out, or "" when it does not."""
+    now = time.monotonic()
+    if outlier.phase_at(b.outlier, now) != outlier.EJECTED:
+        return ""
+    return f"ejected by outlier detection for {b.outlier.until - now:.3g} s more, then on trial"
+
+
 def summary(backends: list[Backend], limit: int = 4) -> str:
     """`URL (pool): last probe result; ...` for a 503 message, at most `limit` backends named."""
     parts = [f"{b.url} ({b.pool}): {b.state()}, {b.last_probe}" for b in backends[:limit]]
@@ -52,9 +61,10 @@ def summary(backends: list[Backend], limit: int = 4) -> str:
     return "; ".join(parts)
 
 
-def report(backends: list[Backend]) -> dict[str, dict[str, str]]:
-    """Each backend's pool, state and last probe result, for /ready and 503 bodies."""
-    return {b.url: {"pool": b.pool, "state": b.state(), "last_probe": b.last_probe} for b in backends}
+def report(backends: list[Backend], now: float | None = None) -> dict[str, dict[str, str]]:
+    """Each backend's pool, state (at `now`) and last probe result, for /ready and 503 bodies."""
+    now = time.monotonic() if now is None else now
+    return {b.url: {"pool": b.pool, "state": b.state(now), "last_probe": b.last_probe} for b in backends}
 
 
 class HealthChecker:
@@ -133,25 +143,39 @@ class HealthChecker:
         if was and not b.healthy:
             self.pools.tick()  # it may have been the last routable one: ejected backends come back now
 
-    @staticmethod
-    def _say(b: Backend, st: ProbeState, was: bool) -> None:
+    def _say(self, b: Backend, st: ProbeState, was: bool) -> None:
         """Up: INFO once. Not up: WARNING after the first probe, on going down, and whenever the result changes,
-        so a backend that never comes up is never silent and one that stays down does not repeat itself."""
+        so a backend that never comes up is never silent and one that stays down does not repeat itself. A
+        backend whose probe answers 200 but is not in rotation says why: too few good probes in a row yet, or
+        an ejection by outlier detection (passive, from its answers) that has not run out."""
+        ejection = _ejection(b)
         if b.healthy:
             if not was:
-                log.info("backend %s (%s) is now up", b.url, b.pool)
+                if ejection:
+                    log.info("backend %s (%s) health OK (%s) but not in rotation: %s", b.url, b.pool,
+                             b.last_probe, ejection)
+                else:
+                    log.info("backend %s (%s) is now up", b.url, b.pool)
             st.logged = None
             return
-        if st.logged == b.last_probe:
+        said = b.last_probe
+        if b.successes:  # this probe answered 200: the success threshold is not reached yet
+            said = (f"{b.last_probe}, health OK but {b.successes} of {self.settings.health_success_threshold} "
+                    "good probes in a row so far" + (f"; {ejection}" if ejection else ""))
+        # said again only when the result changes (not the ejection's seconds left)
+        key = f"{b.last_probe} {b.successes} {bool(ejection)}" if b.successes else b.last_probe
+        if st.logged == key:
             return
-        if was:
+        if b.successes:
+            how = "is not in rotation yet"
+        elif was:
             how = "is now down"
         elif st.logged is None:
             how = "is not up"
         else:
             how = "is still down"
-        log.warning("backend %s (%s) %s: %s", b.url, b.pool, how, b.last_probe)
-        st.logged = b.last_probe
+        log.warning("backend %s (%s) %s: %s", b.url, b.pool, how, said)
+        st.logged = key
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.pools.backends))

@@ -4,7 +4,7 @@
 # cached wheel and skip the build. Run after scripts/install.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERSION=0.3.36  # also pinned in pyproject.toml (extra `engine`) and bench/engines.py
+VERSION=0.3.36  # also pinned in pyproject.toml (extra `engine`) and bench/lab/engines.py
 WHEELS=${SPEC_ROUTER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/spec-router/wheels}
 mkdir -p "$WHEELS"
 if ! ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then

@@ -11,7 +11,7 @@ import time
 
 from bench import figures, procs
 from bench.cli import int_list, run_async
-from bench.judging import Judge
+from bench.lab.judging import Judge
 from bench.load import LoadSpec, run_closed
 from bench.streams import learned_state
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench import engines as eng
+from bench.lab import engines as eng
 
 __all__ = ["EnginePair", "engine_factory", "engine_model", "engine_pair"]
 

@@ -1,9 +1,9 @@
-"""Factory fixture for the server family (bench/family.py): member pairs on port 0, closed at teardown."""
+"""Factory fixture for the server family (bench/lab/family.py): member pairs on port 0, closed at teardown."""
 from __future__ import annotations
 
 import pytest
 
-from bench.family import MEMBERS, start_pair
+from bench.lab.family import MEMBERS, start_pair
 
 FAMILY_SPEEDUP = 5.0
 

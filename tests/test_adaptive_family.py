@@ -1,10 +1,10 @@
-"""adaptive through the real router on two members of the server family (bench/family.py): cold, then the share
+"""adaptive through the real router on two members of the server family (bench/lab/family.py): cold, then the share
 of requests it sends to the faster server at light load and at saturation."""
 from __future__ import annotations
 
 import pytest
 
-from bench.family import MEMBERS, predict
+from bench.lab.family import MEMBERS, predict
 from bench.load import LoadSpec, load_prompts, run_closed
 
 TOKENS = 96

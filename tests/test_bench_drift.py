@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from bench import drift
+from bench.lab import drift
 
 
 def ns(**kw):

@@ -195,10 +195,15 @@ def test_demo_small(tmp_path, capsys):
     cap = capsys.readouterr()
     out = cap.out
     assert rc == 0, cap.err
-    # the five deployments of the same 8 GPUs, the verdict right after the list of what runs; the built-in
-    # profiles are Kimi K2.5 on 8 x 96 GB, which neither router deployment can hold: said, never recommended
-    assert "same 8 GPUs" in out.splitlines()[0] and "five deployments" in out.splitlines()[0]
-    assert out.count("DOES NOT FIT") == 2 and "tp8-adaptive      adaptive-tp8 alone" in out
+    # The first run is a box where every deployment fits (Llama-3.3-70B, the compose default, on the seed's box),
+    # with the drafter it assumes said, then in one line where the router's deployments do not fit.
+    lines = out.splitlines()
+    assert lines[0].startswith("preset compose: Llama-3.3-70B") and "drafter: a better drafter" in lines[0]
+    assert lines[1] == ("where the router does not fit: Kimi K2.5 on the same box fits only the TP8 servers "
+                        "(`spec-bench demo --preset seed`)")
+    assert "same 8 GPUs" in lines[2] and "five deployments" in lines[2]
+    assert "DOES NOT FIT" not in out and "NOT RUN" not in out
+    assert "tp8-adaptive      compose.adaptive-good-tp8 alone" in out
     # then what to run on them (the recommendation first), then the verdict per level
     first, second = out.split("\n\n", 1)[1].splitlines()[:2]
     assert first.startswith(("RUN tp8-baseline [8 GPUs]: nothing measured here beats it", "Beats ")), first
@@ -206,21 +211,42 @@ def test_demo_small(tmp_path, capsys):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert list(data["results"]) == ["tp8-baseline", "split+balanced", "colocated+global", "tp8-eagle3",
                                      "tp8-adaptive"]
-    assert set(data["unfit"]) == {"split", "colocated"} and "tp8-adaptive" in data["references"]
-    assert set(data["gpus"].values()) == {8}
+    assert data["unfit"] == {} and data["configs"] == ["split+balanced", "colocated+global"]
+    assert "tp8-adaptive" in data["references"] and set(data["gpus"].values()) == {8}
     assert "output throughput (tok/s)" in out and "(equal hardware)" in out
     assert f"plot: {tmp_path / 'demo.png'}" in out and (tmp_path / "demo.png").exists()
     # The split's best server at one stream is a TP4 baseline, about 0.6x of the TP8 baseline: it cannot win c=1.
     assert data["equal_hardware"][0]["throughput_winner"] != "split+balanced"
-    assert data["global_threshold"] == 0  # the seed drafter is slower than the baseline even alone
     from bench import plan
 
     assert plan.main([str(tmp_path / "demo.json")]) == 0
     assert capsys.readouterr().out.split()[0] in ("RUN", "Beats")
 
 
+def test_demo_never_compares_against_a_deployment_that_does_not_fit(tmp_path, capsys):
+    # The fitted seed profiles (Kimi K2.5): the split and the pair run and are shown, marked, but neither the
+    # recommendation nor any verdict line names them: the TP8 servers are compared among themselves.
+    rc = demo.main(["--preset", "fitted", "--drafter", "eagle3", "--concurrency", "1,2", "--max-tokens", "16",
+                    "--speedup", "10", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert cap.out.count("DOES NOT FIT") == 2
+    verdicts = cap.out.split("\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert verdicts[0].startswith(("RUN tp8-baseline", "Beats tp8-baseline"))
+    assert verdicts[1].startswith("no router deployment fits these GPUs")
+    assert verdicts[2].startswith("verdict: ") and [v[:4] for v in verdicts[3:]] == ["c=1:", "c=2:"]
+    assert not [v for v in verdicts if "split+balanced" in v or "colocated+global" in v], verdicts
+    # the per-level winners are the recommendation's: a level the summary gives to the baseline is a tie or its win
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["configs"] == [] and set(data["unfit"]) == {"split", "colocated"}
+    assert list(data["results"]) == ["tp8-baseline", "split+balanced", "colocated+global", "tp8-eagle3",
+                                     "tp8-adaptive"]
+    assert all(row["throughput_winner"] in ("tp8-baseline", "tp8-eagle3", "tp8-adaptive")
+               for row in data["equal_hardware"])
+
+
 def test_demo_with_a_preset_runs_only_what_fits(tmp_path, capsys):
-    rc = demo.main(["--preset", "seed", "--concurrency", "1", "--max-tokens", "16", "--speedup", "10",
+    rc = demo.main(["--preset", "seed", "--drafter", "eagle3", "--concurrency", "1", "--max-tokens", "16", "--speedup", "10",
                     "--out", str(tmp_path)])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
@@ -228,14 +254,17 @@ def test_demo_with_a_preset_runs_only_what_fits(tmp_path, capsys):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert list(data["results"]) == ["tp8-baseline", "tp8-eagle3", "tp8-adaptive"]
     assert data["profiles"]["adaptive"] == "seed.adaptive-tp8" and data["configs"] == []
-    assert "no router deployment fits these GPUs" in cap.out
+    assert "no router deployment fits these GPUs" in cap.out and "where the router does not fit" not in cap.out
     assert demo.main(["--preset", "nope"]) == 2 and "unknown preset" in capsys.readouterr().err
 
 
 def test_demo_unknown_drafter_is_one_line(capsys):
-    assert demo.main(["--drafter", "no-such"]) == 2
+    assert demo.main(["--preset", "fitted", "--drafter", "no-such"]) == 2
     err = capsys.readouterr().err
     assert "no-such-tp8" in err and err.count("\n") == 1
+    assert demo.main(["--drafter", "no-such"]) == 2  # a preset's drafters are its settings
+    err = capsys.readouterr().err
+    assert "--drafter with --preset: one of eagle3, eagle3-good, got 'no-such'" in err and err.count("\n") == 1
 
 
 def test_demo_model_curve_is_the_profiles_prediction():

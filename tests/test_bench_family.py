@@ -1,4 +1,4 @@
-"""The family of servers that are not our simulator (bench/family.py): physics as parameterised, protocol subset."""
+"""The family of servers that are not our simulator (bench/lab/family.py): physics as parameterised, protocol subset."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from bench import figures
-from bench.family import MEMBERS, FamilyServer, Physics, predict
+from bench.lab.family import MEMBERS, FamilyServer, Physics, predict
 from bench.load import LoadSpec, load_prompts, run_closed
 from router.loads import parse_figures
 from tests.fixtures_family import FAMILY_SPEEDUP
@@ -134,7 +134,7 @@ def _fig(c: int, tput: float, share: float = 0.5) -> dict:
 def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
     from types import SimpleNamespace
 
-    from bench.judging import Judge
+    from bench.lab.judging import Judge
 
     ns = SimpleNamespace(levels=[1, 8], thresholds=[1, 4], speedup=5.0)
     j = Judge.__new__(Judge)
@@ -158,7 +158,7 @@ def test_judge_picks_one_spillover_threshold_and_the_best_fixed_per_level():
 
 
 def test_judge_summary_counts_adaptive_and_the_control_against_the_bar():
-    from bench.judge import control_vs_best, summary
+    from bench.lab.judge import control_vs_best, summary
 
     def rep(ratios, controls, stored=True):
         rows = [{"ratio": r, "best_fixed_tput": 100.0} | ({"control_vs_best": c} if stored else {})
@@ -177,7 +177,7 @@ def test_a_forced_level_reports_how_far_the_configurations_that_routed_alike_spr
     """At two clients where adaptive and the best sent nothing behind another, the routed configurations that
     did the same (never the single servers, nor one that queued a request) spread by their max over min; a level
     of one client, or one where adaptive queued, is not forced."""
-    from bench.judge import forced_spread, forced_summary
+    from bench.lab.judge import forced_spread, forced_summary
 
     def fig(tput, behind):
         return {"output_throughput": tput, "behind": behind}
@@ -206,7 +206,7 @@ def test_judge_luck_slope_and_the_luck_adjusted_ratio():
     the adjusted ratio compares the configurations at even luck."""
     import math
 
-    from bench.judging import luck_adjusted, luck_slope
+    from bench.lab.judging import luck_adjusted, luck_slope
 
     def fig(tput, share, luck):
         return {"output_throughput": tput * math.exp(-0.8 * share * (luck - 1)), "speculative_share": share,
@@ -240,7 +240,7 @@ def test_a_running_pairs_luck_is_measured_from_what_each_prompt_cost_the_specula
     """Prompt i's cost is its seconds per output token on the speculative server alone at one client; a level's
     luck is the mean cost of the prompts it sent there over that of all its prompts with a known cost (failed
     requests and prompts past the measured ones left out)."""
-    from bench.judging import luck_ratio, prompt_costs
+    from bench.lab.judging import luck_ratio, prompt_costs
     from bench.load import RequestRecord
 
     def rec(start, secs, tokens=10, pool="speculative", error=None):
@@ -265,7 +265,7 @@ def test_sent_behind_counts_the_requests_started_while_an_earlier_one_ran_on_the
     levels: the count is the same."""
     import random
 
-    from bench.judging import sent_behind
+    from bench.lab.judging import sent_behind
     from bench.load import RequestRecord
 
     def rec(start, end, pool):
@@ -286,7 +286,7 @@ def test_sent_behind_counts_the_requests_started_while_an_earlier_one_ran_on_the
 
 
 def test_judge_and_family_commands_refuse_bad_flags(capsys):
-    from bench import familyserve, judge
+    from bench.lab import familyserve, judge
 
     assert judge.main(["--levels", "x"]) == 2
     assert judge.main(["--warmup-seconds", "31"]) == 2
@@ -297,14 +297,15 @@ def test_judge_and_family_commands_refuse_bad_flags(capsys):
     assert judge.main(["--speculative", "http://127.0.0.1:9", "--baseline", "http://127.0.0.1:9",
                        "--member", "linear-12"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 6 and all(line.startswith(("bench judge: ", "bench family: ")) for line in err)
+    assert len(err) == 6 and all(line.startswith(("spec-bench judge: ", "spec-bench family: ")) for line in err)
 
 
 def test_judge_a_running_pair_end_to_end(tmp_path):
     """`bench judge --speculative URL --baseline URL` judges servers it did not start (here a family pair run
     apart, standing in for `bench engines` or a user's own): every configuration served both levels (balanced's curve needs two), and the
     report names the pair, its luck measured (what each prompt cost the speculative server alone at one client)."""
-    from bench import judge, procs
+    from bench import procs
+    from bench.lab import judge
 
     with procs.ProcGroup() as group:
         pair = group.add(procs.start("family", ["bench", "family", "--member", "linear-12", "--speedup", "20"],

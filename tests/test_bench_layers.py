@@ -1,5 +1,6 @@
 """bench/'s layering (docs/ARCHITECTURE.md "bench/, in layers"): no command module imports another command
-module, and no helper or script imports a command, read from the dispatch table and the sources' imports."""
+module, no helper or script imports a command, and what users run never imports the lab (bench/lab/), read from
+the dispatch table and the sources' imports."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import COMMANDS
+from bench.__main__ import COMMANDS, LAB_COMMANDS, USER_COMMANDS, usage
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND_MODULES = {module for module, _ in COMMANDS.values()}
@@ -60,9 +61,9 @@ def imports_of(path: Path) -> set[str]:
 
 def test_the_resolver_sees_every_spelling_of_an_import():
     src = ("import bench.compare\nfrom bench import plan, equal\nfrom . import sweep\nfrom .sim import fit\n"
-           "def f():\n    from bench.stress import main\n")
+           "def f():\n    from bench.lab.stress import main\n")
     names = imported(src, "bench.demo")
-    assert commands_in(names) == {"bench.compare", "bench.plan", "bench.sweep", "bench.sim.fit", "bench.stress"}
+    assert commands_in(names) == {"bench.compare", "bench.plan", "bench.sweep", "bench.sim.fit", "bench.lab.stress"}
     assert commands_in(imported("from . import fit\n", "bench.sim.stepcost")) == {"bench.sim.fit"}
     assert commands_in(imported("from .. import plan\n", "bench.sim", is_package=True)) == {"bench.plan"}
     assert not commands_in(imported("from bench.cli import profile\nfrom bench import equal\n", "bench.demo"))
@@ -77,7 +78,7 @@ def test_every_dispatched_module_exists():
 def test_no_command_module_imports_another_command_module(command):
     module = COMMANDS[command][0]
     bad = commands_in(imports_of(module_path(module)), exclude=module)
-    assert not bad, (f"bench {command} ({module}) imports the command module(s) {sorted(bad)}: move what they "
+    assert not bad, (f"spec-bench {command} ({module}) imports the command module(s) {sorted(bad)}: move what they "
                      "share into a helper module (docs/ARCHITECTURE.md, bench/ layers)")
 
 
@@ -100,3 +101,31 @@ def test_the_exceptions_are_still_needed():
     stale = {m: sorted(allowed - commands_in(imports_of(module_path(m))))
              for m, allowed in HELPER_EXCEPTIONS.items() if allowed - commands_in(imports_of(module_path(m)))}
     assert not stale, f"HELPER_EXCEPTIONS lists imports that are gone (remove them): {stale}"
+
+
+def test_the_lab_commands_live_in_bench_lab_and_the_users_do_not():
+    assert all(module.startswith("bench.lab.") for module, _ in LAB_COMMANDS.values()), LAB_COMMANDS
+    assert not any(module.startswith("bench.lab.") for module, _ in USER_COMMANDS.values()), USER_COMMANDS
+    assert not set(USER_COMMANDS) & set(LAB_COMMANDS)
+
+
+def test_nothing_outside_the_lab_imports_it():
+    # the lab builds on bench's helpers, never the reverse: a user command runs without bench/lab/
+    bad = {}
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        if "lab" in path.relative_to(ROOT / "bench").parts:
+            continue
+        found = {n for n in imports_of(path) if n == "bench.lab" or n.startswith("bench.lab.")}
+        if found:
+            bad[str(path.relative_to(ROOT))] = sorted(found)
+    assert not bad, f"bench modules outside bench/lab/ that import it: {bad}"
+
+
+def test_help_lists_the_user_commands_first_and_the_lab_apart():
+    text = usage()
+    lab_heading = next(i for i, line in enumerate(text.splitlines()) if line.startswith("lab commands"))
+    listed = [line.split()[0] for line in text.splitlines() if line.startswith("  ")]
+    assert listed == [*USER_COMMANDS, *LAB_COMMANDS]
+    at = {line.split()[0]: i for i, line in enumerate(text.splitlines()) if line.startswith("  ")}
+    assert all(at[name] < lab_heading for name in USER_COMMANDS) and all(at[n] > lab_heading for n in LAB_COMMANDS)
+    assert all(f"  {name}  " in text for name in COMMANDS)  # every name apart from its text

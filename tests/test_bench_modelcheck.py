@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench import modelcheck
+from bench.lab import modelcheck
 from router.adaptive import sample
 from router.observe import Observation
 

@@ -79,7 +79,7 @@ def test_a_bad_shape_file_gets_one_line_and_exit_2(capsys, tmp_path):
     bad.write_text("name: mine\nlayers: many\n")
     rc, out, err = run(capsys, "--shape", str(bad))
     assert rc == 2 and out == ""
-    assert err.startswith(f"bench plan: invalid shape file {bad}: layers:") and err.count("\n") == 1
+    assert err.startswith(f"spec-bench plan: invalid shape file {bad}: layers:") and err.count("\n") == 1
     rc, _, err = run(capsys, "--shape", str(tmp_path / "none.yaml"))
     assert rc == 2 and "shape file not found" in err
 
@@ -155,3 +155,15 @@ def test_a_shape_without_a_draft_plans_the_baseline_only(capsys, tmp_path):
     assert rc == 0
     assert out.splitlines()[1].startswith("why: Llama-3.3-70B has no draft head in this shape")
     assert "RUN (throughput): c=1-250: baseline" in out and "tree tok/s" not in out
+
+
+def test_the_settings_are_defined_where_they_first_appear_and_counts_agree_in_number(capsys):
+    # A newcomer meets `chain1` in the table's header: the line before it says what tree and chainN are.
+    rc, out, _ = run(capsys, "--preset", "compose")
+    assert rc == 0
+    lines = out.splitlines()
+    first = next(i for i, ln in enumerate(lines) if "chain1" in ln)
+    assert lines[first - 1].strip().startswith("(tree = EAGLE-3's draft tree, topk 4, 2 steps, 16 draft tokens")
+    assert "chainN = a topk-1 chain of N draft steps" in lines[first - 1]
+    adaptive = next(ln for ln in lines if ln.startswith("  adaptive = "))
+    assert "1 steps" not in adaptive and ": 1 step," in adaptive and ": 3 steps," in adaptive

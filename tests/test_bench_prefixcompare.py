@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import peers, prefixcompare
+from bench.lab import peers, prefixcompare
 
 pytestmark = pytest.mark.timeout(240)
 

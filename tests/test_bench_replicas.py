@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench import replicas
 from bench.__main__ import main as bench_main
+from bench.lab import replicas
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +43,7 @@ def test_replicas_small_run(tmp_path, capsys):
 def test_replicas_bad_flags_are_one_line(argv, fragment, capsys):
     assert bench_main(["replicas", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert fragment in err and "\n" not in err and err.startswith("bench replicas:")
+    assert fragment in err and "\n" not in err and err.startswith("spec-bench replicas:")
 
 
 def test_figures_from_samples():

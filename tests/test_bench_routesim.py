@@ -1,4 +1,4 @@
-"""The judge on a virtual clock (bench/routesim.py): the clock, the engines' physics on it, the verdicts."""
+"""The judge on a virtual clock (bench/lab/routesim.py): the clock, the engines' physics on it, the verdicts."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench import judge as judge_cmd
-from bench import routesim
-from bench.family import MEMBERS, predict
+from bench.lab import judge as judge_cmd
+from bench.lab import routesim
+from bench.lab.family import MEMBERS, predict
 from router.policy import build
 
 TOKENS = 96
@@ -95,4 +95,4 @@ def test_judge_virtual_command(tmp_path, capsys):
 def test_judge_virtual_bad_flags(argv, capsys):
     assert judge_cmd.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("bench judge: ")
+    assert len(err) == 1 and err[0].startswith("spec-bench judge: ")

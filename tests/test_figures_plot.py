@@ -59,7 +59,7 @@ def test_plot_writes_that_figure_as_png(tmp_path):
 
 
 def test_the_drift_plot_is_titled_and_labelled(tmp_path, monkeypatch):
-    from bench import drift
+    from bench.lab import drift
 
     seen = []
     real_close = plt.close

@@ -230,7 +230,7 @@ def test_cli_without_cuda_exits_2_with_one_line(tmp_path):
     for bad in (["run"], ["bogus"], ["plot", "x.json", "--out", "y.png", "--bogus"]):  # bad flags: one line
         p = subprocess.run([sys.executable, "-m", "bench", "gpu", *bad], capture_output=True, text=True, cwd=ROOT,
                            timeout=30)
-        assert p.returncode == 2 and p.stderr.startswith("bench gpu: ") and p.stderr.count("\n") == 1, p
+        assert p.returncode == 2 and p.stderr.startswith("spec-bench gpu: ") and p.stderr.count("\n") == 1, p
     p = subprocess.run([sys.executable, "-m", "bench", "gpu", "check", str(tmp_path / "missing.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert p.returncode == 2 and p.stderr.count("\n") == 1

@@ -797,7 +797,7 @@ def test_adaptive_settings():
 
 
 def saturating(n):
-    """saturating-never's baseline (bench/family.py): a step of 8 + 2n / (1 + n/8) ms, one token a step."""
+    """saturating-never's baseline (bench/lab/family.py): a step of 8 + 2n / (1 + n/8) ms, one token a step."""
     return (8.0 + 2.0 * n / (1.0 + n / 8.0)) / 1000.0
 
 

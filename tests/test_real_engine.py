@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from bench.engines import HEALTH_PATH, MODEL_NAME
+from bench.lab.engines import HEALTH_PATH, MODEL_NAME
 from tests.fixtures_router import poll
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(180)]

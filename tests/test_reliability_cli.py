@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from bench import faultmatrix, streams, stress
+from bench import streams
+from bench.lab import faultmatrix, stress
 from bench.load import RequestRecord
 
 

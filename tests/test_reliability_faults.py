@@ -20,7 +20,7 @@ IDLE = "SSE error event + [DONE]: backend B sent no next chunk in time"
 
 
 async def load(url: str, requests: int, streams: int = 8, max_tokens: int = 40) -> ClientTally:
-    """`requests` streaming requests from `streams` concurrent clients, through bench.stress's load loop."""
+    """`requests` streaming requests from `streams` concurrent clients, through bench.lab.stress's load loop."""
     tally = ClientTally()
     plan = LoadPlan(url=url, streams=streams, duration=30.0, max_requests=requests, max_tokens=max_tokens,
                     disconnect_fraction=0.0, request_timeout=20.0, ramp=0.0)

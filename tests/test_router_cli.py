@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from router.__main__ import build_parser, main
+from router.__main__ import build_parser, main, parse
 from router.settings import ConfigError, Settings, load_settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,6 +39,16 @@ def test_every_serve_flag_has_help_text():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     missing = [a.option_strings for a in serve._actions if a.option_strings and not (a.help or "").strip()]
     assert missing == []
+
+
+def test_a_switch_shows_its_values_and_takes_them():
+    # A boolean setting is a flag with a value (true/false), never shown as `KEY`; the parsed value is a bool.
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    metavars = {a.dest: a.metavar for a in serve._actions if a.option_strings}
+    switches = [n for n, f in Settings.model_fields.items() if f.annotation is bool]
+    assert "prefix_routing" in switches
+    assert {metavars[n] for n in switches} == {"{true,false}"}
+    assert parse(["serve", "--speculative", "http://127.0.0.1:1", "--prefix-routing", "false"]).prefix_routing is False
 
 
 def test_a_bare_command_prints_short_usage_to_stderr_and_exits_2():

@@ -95,6 +95,29 @@ async def test_ready_and_health_documents(raw_backend_factory, router_factory):
     assert (status, json.loads(raw)) == (200, {"status": "ok"})
 
 
+async def test_ready_says_an_ejected_backend_is_out_of_rotation(raw_backend_factory, router_factory):
+    """A backend whose probes pass but that outlier detection ejected is not in rotation: `backends` says
+    false beside its "ejected" state, and true again once it is on trial (the same state in both fields)."""
+    from router.observe import Attempt
+
+    ejected = await raw_backend_factory({})
+    other = await raw_backend_factory({})
+    router = await router_factory([ejected.url], [other.url], eject_base_seconds=30)
+    await all_probed(router)
+    pools = router.state.pools
+    a = pools.backends[0]
+    for _ in range(pools.outlier_cfg.consecutive_errors):
+        pools.report_attempt(a, Attempt("refused", 0))
+    status, _, raw = await get(router.url + "/ready")
+    body = json.loads(raw)
+    assert status == 200 and a.healthy
+    assert body["backends"] == {ejected.url: False, other.url: True}
+    assert body["probes"][ejected.url] == {"pool": "speculative", "state": "ejected", "last_probe": "GET /health -> 200"}
+    pools.tick(now=a.outlier.until)  # the ejection has run its time: on trial, let through again
+    body = json.loads((await get(router.url + "/ready"))[2])
+    assert body["backends"][ejected.url] is True and body["probes"][ejected.url]["state"] == "trial"
+
+
 async def test_unrouted_paths_say_what_is_served(raw_backend_factory, router_factory):
     """mutmut: the 404 and 405 messages, the path cut to 200 characters, the sorted Allow list without "*"."""
     be = await raw_backend_factory({})

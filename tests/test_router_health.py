@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 
 import pytest
@@ -186,6 +187,40 @@ async def test_going_down_brings_ejected_backends_back_and_is_logged(raw_backend
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"]
     assert records == [("WARNING", f"backend {last.url} (baseline) is now down: GET /health -> 503"),
                        ("INFO", f"backend {last.url} (baseline) is now up")]
+
+
+async def test_a_backend_with_good_probes_says_why_it_is_not_in_rotation(raw_backend_factory, caplog):
+    """Back from down while ejected by outlier detection: its log never says "down" beside a 200; it says how
+    many good probes it has of the threshold, then that its health is OK but the ejection keeps it out."""
+    ejected = await raw_backend_factory({})
+    other = await raw_backend_factory({})
+    checker, pools, _ = make([ejected.url], [other.url], health_interval=60, health_success_threshold=2)
+    a, b = pools.backends
+    a.probe_ok(1)
+    b.probe_ok(1)
+    caplog.set_level(logging.INFO, logger="router.health")
+    try:
+        await started(checker)
+        for _ in range(pools.outlier_cfg.consecutive_errors):
+            pools.report_attempt(a, Attempt("refused", 0))
+        ejected.routes["/health"] = json_answer(503, {})
+        async with asyncio.timeout(10):
+            await checker.probe(a)
+            ejected.routes["/health"] = json_answer(200, {})
+            await checker.probe(a)
+            await checker.probe(a)
+    finally:
+        await checker.stop()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.health"]
+    assert [level for level, _ in records] == ["WARNING", "WARNING", "INFO"], records
+    assert records[0][1] == f"backend {ejected.url} (speculative) is now down: GET /health -> 503"
+    assert re.fullmatch(rf"backend {re.escape(ejected.url)} \(speculative\) is not in rotation yet: GET /health -> "
+                        r"200, health OK but 1 of 2 good probes in a row so far; ejected by outlier detection for "
+                        r"[0-9.]+ s more, then on trial", records[1][1]), records[1][1]
+    assert re.fullmatch(rf"backend {re.escape(ejected.url)} \(speculative\) health OK \(GET /health -> 200\) but "
+                        r"not in rotation: ejected by outlier detection for [0-9.]+ s more, then on trial",
+                        records[2][1]), records[2][1]
+    assert a.healthy and a.state() == "ejected" and not any("down: GET /health -> 200" in m for _, m in records)
 
 
 class BrokenOnce(Pools):

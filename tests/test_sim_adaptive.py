@@ -81,7 +81,7 @@ def test_sim_cli_refuses_a_bad_config_with_one_line(tmp_path):
                  ["--profile", "eagle3-tp8", "--speculative-adaptive-config", str(tmp_path / "none.json")]):
         r = subprocess.run([sys.executable, "-m", "bench", "sim", *args, "--port", "0"], capture_output=True,
                            text=True, timeout=60)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("bench sim: "), r.stderr
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("spec-bench sim: "), r.stderr
 
 
 # --- profiles ----------------------------------------------------------------------------------------------------

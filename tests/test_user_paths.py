@@ -34,6 +34,16 @@ def test_every_bench_command_answers_help():
         _no_traceback(r)
 
 
+def test_every_bench_command_names_itself_spec_bench_in_a_bad_flag_error():
+    # The program the user typed is spec-bench: its errors say so (not `bench CMD:`), one line, exit 2.
+    running = {name: subprocess.Popen([sys.executable, "-m", "bench", name, "--no-such-flag"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for name in bench_main.COMMANDS}
+    for name, p in running.items():
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 2, f"{name}: {err[-500:]}"
+        assert err.startswith(f"spec-bench {name}") and err.count("\n") == 1, (name, err)
+
+
 @pytest.mark.parametrize("script, words", [("spec-router", "serve"), ("spec-bench", "overhead")])
 def test_console_scripts_are_installed(script, words):
     exe = BIN / script
@@ -65,7 +75,7 @@ def test_a_missing_extra_is_one_line_and_exit_2(command, module):
     named = next(m for m in mods[:mods.index(module)] + (module,)
                  if m == module or importlib.util.find_spec(m) is None)
     assert r.stderr.splitlines() == [
-        f"bench {command} needs the {extra} extra ({named} is not installed): {HOW[extra]}"]
+        f"spec-bench {command} needs the {extra} extra ({named} is not installed): {HOW[extra]}"]
     _no_traceback(r)
     # --help needs nothing optional
     r = _blocked(module, [command, "--help"])
@@ -85,7 +95,7 @@ def test_a_lazy_import_of_an_extra_is_one_line_too(tmp_path, monkeypatch, capsys
     monkeypatch.setitem(bench_main.COMMANDS, "lazy", ("lazy_cmd", "test"))
     assert bench_main.main(["lazy"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "bench lazy needs the bench extra (psutil is not installed): pip install 'spec-router[bench]'"]
+        "spec-bench lazy needs the bench extra (psutil is not installed): pip install 'spec-router[bench]'"]
     # a module that is no extra's is a bug: it is raised, not hidden
     (tmp_path / "buggy_cmd.py").write_text("def main(argv):\n    import no_such_module_x  # noqa: F401\n")
     monkeypatch.setitem(bench_main.COMMANDS, "buggy", ("buggy_cmd", "test"))
@@ -98,7 +108,7 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(tmp_path, monkeypatch, c
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(bench_main.COMMANDS, "slow", ("slow_cmd", "test"))
     assert bench_main.main(["slow"]) == 130
-    assert capsys.readouterr().err.splitlines() == ["bench slow: interrupted"]
+    assert capsys.readouterr().err.splitlines() == ["spec-bench slow: interrupted"]
 
 
 def _install_block() -> list[str]:
@@ -145,7 +155,7 @@ def test_fresh_install_as_the_readme_says(tmp_path):
     # Before the bench extra: one line that says which extra, no traceback, nothing started.
     r = sh(demo, 60)
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "bench demo needs the bench extra (matplotlib is not installed): pip install 'spec-router[bench]'"]
+        "spec-bench demo needs the bench extra (matplotlib is not installed): pip install 'spec-router[bench]'"]
     for line in steps[1:]:
         r = sh(line, 300)
         assert r.returncode == 0, (line, r.stderr[-2000:])

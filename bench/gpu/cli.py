@@ -13,9 +13,9 @@ def _cuda_problem() -> str | None:
     try:
         import torch
     except ImportError:
-        return "bench gpu needs PyTorch (pip install 'spec-router[gpu]') and a CUDA GPU; torch is not installed"
+        return "spec-bench gpu needs PyTorch (pip install 'spec-router[gpu]') and a CUDA GPU; torch is not installed"
     if not torch.cuda.is_available():
-        return "bench gpu needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
+        return "spec-bench gpu needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
     return None
 
 
@@ -47,7 +47,7 @@ def _load(path: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"bench gpu: cannot read {path}: {exc}") from None
+        raise SystemExit(f"spec-bench gpu: cannot read {path}: {exc}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
 
             links = [x for x in args.links.split(",") if x]
             if any(x not in ("nvlink", "nop2p") for x in links):
-                print(f"bench gpu tp: --links takes nvlink and/or nop2p, not {args.links!r}", file=sys.stderr)
+                print(f"spec-bench gpu tp: --links takes nvlink and/or nop2p, not {args.links!r}", file=sys.stderr)
                 return 2
             return tp.launch(args.out, args.world, links, args.layers, args.quick)
         doc = _load(args.json)

@@ -63,7 +63,7 @@ def launch(out: str, world: int, links: list[str], layers: int, quick: bool) -> 
     n = torch.cuda.device_count()
     world = world or n
     if not 1 <= world <= n:
-        print(f"bench gpu tp: --world {world} but {n} GPU(s) visible", file=sys.stderr)
+        print(f"spec-bench gpu tp: --world {world} but {n} GPU(s) visible", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     doc = {"schema": schema.SCHEMA, "kind": "tp", "world": world, "quick": quick,

@@ -121,7 +121,7 @@ async def _serve(cfgs: list[SimConfig], host: str, ports: list[int], switch_ms: 
         except OSError as exc:
             for s in servers:
                 await s.close()
-            print(f"bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"spec-bench sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
     # Handlers go in before the line that tells a parent we are up, so its SIGTERM is never the default one.
     stop = asyncio.Event()
@@ -140,12 +140,12 @@ def main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except ArgError as exc:
-        print(f"bench sim: {exc}", file=sys.stderr)
+        print(f"spec-bench sim: {exc}", file=sys.stderr)
         return 2
     try:
         cfgs = configs_from_args(args)
     except ValueError as exc:
-        print(f"bench sim: {exc}", file=sys.stderr)
+        print(f"spec-bench sim: {exc}", file=sys.stderr)
         return 2
     ports = [args.port]
     if len(cfgs) > 1:

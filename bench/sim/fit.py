@@ -302,12 +302,12 @@ def main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except ArgError as exc:
-        print(f"bench fit: {exc}", file=sys.stderr)
+        print(f"spec-bench fit: {exc}", file=sys.stderr)
         return 2
     try:
         profile, pred = run(args)
     except (FitError, ProfileError) as exc:
-        print(f"bench fit: {exc}", file=sys.stderr)
+        print(f"spec-bench fit: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: a={profile.decode_a_ms} ms, b={profile.decode_b_ms} ms/req, "
           f"q={profile.decode_q_ms} ms/req^2, max_running_requests={profile.max_running_requests}")

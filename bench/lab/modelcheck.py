@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
         if ns.record:
             spec, base = load_profile(ns.speculative_profile), load_profile(ns.baseline_profile)
     except (ArgError, ValueError, ProfileError) as exc:
-        print(f"bench modelcheck: {exc}", file=sys.stderr)
+        print(f"spec-bench modelcheck: {exc}", file=sys.stderr)
         return 2
     try:
         if ns.record:
@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
         data = json.loads(ns.file.read_text(encoding="utf-8"))
         text, _ = evaluate(data)
     except (OSError, ValueError, KeyError, TypeError, BenchInputError, procs.ProcError) as exc:
-        print(f"bench modelcheck: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"spec-bench modelcheck: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(text)
     return 0

@@ -13,7 +13,7 @@ import aiohttp
 
 from bench import figures, procs
 from bench.cli import run_async, wait_serving
-from bench.family import MEMBERS, describe, steps_per_token
+from bench.lab.family import MEMBERS, describe, steps_per_token
 from bench.load import LoadSpec, build_body, load_prompts, run_closed
 from bench.streams import learned_state, read_router
 

@@ -20,8 +20,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.family import Engine, Member, Req, _prompt_tokens, loads_document
-from bench.judging import best_threshold
+from bench.lab.family import Engine, Member, Req, _prompt_tokens, loads_document
+from bench.lab.judging import best_threshold
 from bench.load import build_body, load_prompts
 from router import pools as pools_mod
 from router.app import make_policy

@@ -354,16 +354,16 @@ def main(argv: list[str]) -> int:
         if ns.speedup <= 0 or not 0.5 <= ns.scale <= 10:
             raise ArgError("--speedup must be > 0 and --scale within 0.5..10")
     except ArgError as exc:
-        print(f"bench faults: {exc}", file=sys.stderr)
+        print(f"spec-bench faults: {exc}", file=sys.stderr)
         return 2
     rows = [r for r in ROWS if r.key in keys]
     results = []
     try:
         for row in rows:
-            print(f"bench faults: {row.key} ...", file=sys.stderr, flush=True)
+            print(f"spec-bench faults: {row.key} ...", file=sys.stderr, flush=True)
             results.append(run_async(run_row(row, ns.speedup, ns.scale)))
     except (procs.ProcError, NotServing) as exc:
-        print(f"bench faults: {exc}", file=sys.stderr)
+        print(f"spec-bench faults: {exc}", file=sys.stderr)
         return 2
     print("router flags: " + " ".join(f"{k} {v}" for k, v in ROUTER_FLAGS.items()) + f"; simulator speedup {ns.speedup:g}")
     print()

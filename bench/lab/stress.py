@@ -117,7 +117,7 @@ async def run_stress(cfg: StressConfig, router_url: str, router_pid: int, sims: 
 def render(res: dict) -> str:
     c, r, cfg = res["client"], res["router"], res["config"]
     lines = [
-        f"## bench stress: {cfg['streams']} concurrent streams for {cfg['duration']:g}s "
+        f"## spec-bench stress: {cfg['streams']} concurrent streams for {cfg['duration']:g}s "
         f"(wall {res['wall_seconds']}s)",
         "",
         "| client | count |", "|---|---:|",
@@ -215,17 +215,17 @@ def main(argv: list[str]) -> int:
         ns = build_parser().parse_args(argv)
         cfg = config_from_args(ns)
     except ArgError as exc:
-        print(f"bench stress: {exc}", file=sys.stderr)
+        print(f"spec-bench stress: {exc}", file=sys.stderr)
         return 2
     # Client sockets, the router's two sides and the simulators all live on this machine.
     needed = cfg.streams * 4 + 1024
     try:
         got = raise_fd_limit(needed)
     except (ValueError, OSError) as exc:
-        print(f"bench stress: cannot raise the open-file limit to {needed}: {exc}", file=sys.stderr)
+        print(f"spec-bench stress: cannot raise the open-file limit to {needed}: {exc}", file=sys.stderr)
         return 2
     if got < cfg.streams * 2 + 256:
-        print(f"bench stress: open-file limit {got} is too low for {cfg.streams} streams "
+        print(f"spec-bench stress: open-file limit {got} is too low for {cfg.streams} streams "
               f"(raise the hard limit: ulimit -Hn)", file=sys.stderr)
         return 2
     router_flags = ["--log-level", "warning", "--max-connections", str(max(4096, cfg.streams * 2)),
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
             res["router"]["stderr_tail"] = router.stderr_tail()
             group.procs.remove(router)
     except (procs.ProcError, BenchInputError, NotServing) as exc:
-        print(f"bench stress: {exc}", file=sys.stderr)
+        print(f"spec-bench stress: {exc}", file=sys.stderr)
         return 2
     res["checks"]["router exited 0 on SIGTERM after the run"] = res["router"]["exit_code"] == 0
     res["ok"] = all(res["checks"].values())

@@ -1,6 +1,6 @@
 """`python -m bench judge`: adaptive from a cold start against every fixed configuration, on the server family.
 
-For one member pair of bench/family.py (or several), per repeat: a quick sweep of each server alone (the
+For one member pair of bench/lab/family.py (or several), per repeat: a quick sweep of each server alone (the
 curves `balanced` gets, and the all-speculative / all-baseline figures), then at each closed-loop level, one
 configuration right after the other on the same two servers: round-robin, spillover at each threshold of a
 small scan, `balanced` on the curves just measured, and `adaptive` (load_signal backend, no curves), whose
@@ -15,10 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-from bench import procs, routesim
+from bench import procs
 from bench.cli import BARE_TARGET, ArgError, NotServing, fail, int_list, parser, target
-from bench.family import MEMBERS
-from bench.judging import BAR, Judge, luck_adjusted, luck_slope
+from bench.lab import routesim
+from bench.lab.family import MEMBERS
+from bench.lab.judging import BAR, Judge, luck_adjusted, luck_slope
 from bench.load import BenchInputError
 
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("judge", __doc__.splitlines()[0])
     p.add_argument("--member", action="append", choices=sorted(MEMBERS), help="repeatable; default: all")
     p.add_argument("--speculative", type=_url, metavar="URL",
-                   help="with --baseline: judge this running pair instead of family members (e.g. `bench engines`)")
+                   help="with --baseline: judge this running pair instead of family members (e.g. `spec-bench engines`)")
     p.add_argument("--baseline", type=_url, metavar="URL")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="passed to every router started (repeatable), e.g. --router-arg=--health-path=/openapi.json "
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--name", default="judge")
     p.add_argument("--virtual", type=int, default=0, metavar="SEEDS",
-                   help="judge on a virtual clock instead (bench/routesim.py: the router's own policies in front of "
+                   help="judge on a virtual clock instead (bench/lab/routesim.py: the router's own policies in front of "
                         "the members' engines in one process, no servers, no host scatter), over SEEDS seeds")
     p.add_argument("--render", nargs="+", type=Path, metavar="JSON",
                    help="print one markdown report of saved runs (their JSON files) and run nothing")

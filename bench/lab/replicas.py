@@ -251,17 +251,17 @@ def main(argv: list[str]) -> int:
         cfg = config_from_args(build_parser().parse_args(argv))
         load_prompts(cfg.prompts)
     except ArgError as exc:
-        print(f"bench replicas: {exc}", file=sys.stderr)
+        print(f"spec-bench replicas: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a bad prompt file: BenchInputError and friends, one line
-        print(f"bench replicas: {exc}", file=sys.stderr)
+        print(f"spec-bench replicas: {exc}", file=sys.stderr)
         return 2
     runs: list[SignalRun] = []
     try:
         for signal in cfg.signals:
             runs.append(run_signal(cfg, signal))
     except (procs.ProcError, NotServing) as exc:
-        print(f"bench replicas: {exc}", file=sys.stderr)
+        print(f"spec-bench replicas: {exc}", file=sys.stderr)
         return 2
     rows = [figures(cfg, r) for r in runs]
     table = render(cfg, rows)

@@ -225,5 +225,5 @@ def main(argv: list[str]) -> int:
             raise ArgError("--speedup, --concurrency, --window, --before and --after must be positive")
         return run(ns)
     except (ArgError, BenchInputError, procs.ProcError, ProfileError, NotServing, ValueError) as exc:
-        print(f"bench drift: error: {exc}", file=sys.stderr)
+        print(f"spec-bench drift: {exc}", file=sys.stderr)
         return 2

@@ -154,13 +154,13 @@ def main(argv: list[str]) -> int:
     try:
         ns = p.parse_args(argv)
     except ArgError as exc:
-        print(f"bench engines: {exc}", file=sys.stderr)
+        print(f"spec-bench engines: {exc}", file=sys.stderr)
         return 2
     if (why := available()) is not None:
-        print(f"bench engines: {why}", file=sys.stderr)
+        print(f"spec-bench engines: {why}", file=sys.stderr)
         return 2
     if ns.threads < 1 or ns.n_ctx < 64 or ns.draft_tokens < 1:
-        print("bench engines: --threads and --draft-tokens must be >= 1, --n-ctx >= 64", file=sys.stderr)
+        print("spec-bench engines: --threads and --draft-tokens must be >= 1, --n-ctx >= 64", file=sys.stderr)
         return 2
     engines: list[Engine] = []
     stop = False
@@ -179,7 +179,7 @@ def main(argv: list[str]) -> int:
     except EngineError as exc:
         for e in engines:
             e.stop()
-        print(f"bench engines: {exc}", file=sys.stderr)
+        print(f"spec-bench engines: {exc}", file=sys.stderr)
         return 2
     for e in engines:
         print(f"listening on {e.url}", flush=True)
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
             e.stop()
     dead = [e for e in engines if e.proc.returncode not in (0, -signal.SIGTERM, None) and not stop]
     if dead:
-        print(f"bench engines: an engine exited with code {dead[0].proc.returncode} (log: {dead[0].log})",
+        print(f"spec-bench engines: an engine exited with code {dead[0].proc.returncode} (log: {dead[0].log})",
               file=sys.stderr)
         return 1
     return 0

@@ -7,7 +7,7 @@ tests check the servers deliver it. Serves the subset of SGLang 0.5.23 a proxy r
 /v1/chat/completions and /v1/completions (streamed or not, usage in the last chunk on request), /v1/loads
 (running, waiting, max_running_requests, gen_throughput, speculative.accept_length), /server_info.
 
-Library only: `spec-bench family` (bench/familyserve.py) serves one pair from the command line.
+Library only: `spec-bench family` (bench/lab/familyserve.py) serves one pair from the command line.
 """
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ class Engine:
 
 def loads_document(e: Engine, spec: bool = True) -> dict:
     """The engine's /v1/loads document (its `loads` list; `spec`: with the speculative figures, as
-    include=spec or all asks): what the server answers, and what bench.routesim hands the router's parser."""
+    include=spec or all asks): what the server answers, and what bench.lab.routesim hands the router's parser."""
     p = e.p
     load = {"dp_rank": 0, "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
             "num_used_tokens": sum(r.prompt_tokens + r.gen for r in e.running), "max_total_num_tokens": 1 << 20,

@@ -1,4 +1,4 @@
-"""`spec-bench family`: serve one member pair of bench/family.py in one process, or list the members.
+"""`spec-bench family`: serve one member pair of bench/lab/family.py in one process, or list the members.
 
 `python -m bench family --member NAME --speedup K --port 0 --port-b 0` prints two `listening on URL` lines: the
 speculative server, then the baseline. SIGTERM stops both. `--list` prints the members and their predicted curves.
@@ -9,7 +9,7 @@ import asyncio
 import sys
 
 from bench.cli import ArgError, fail, parser, until_signal
-from bench.family import MEMBERS, Member, describe, start_pair
+from bench.lab.family import MEMBERS, Member, describe, start_pair
 
 
 async def _serve(member: Member, speedup: float, port: int, port_b: int, seed: int) -> None:

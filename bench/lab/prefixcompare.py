@@ -17,8 +17,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import cli, figures, peers, procs
+from bench import cli, figures, procs
 from bench.cli import ArgError, NotServing
+from bench.lab import peers
 
 TRACE = Path("../shared/data/mooncake/conversation_trace_first_30min.jsonl")
 MODEL = "kimi-k2.5-sim"  # one served name on every simulator: smg and vllm-router route by model name
@@ -368,7 +369,7 @@ def main(argv: list[str]) -> int:
                 for which in dep.routers:
                     rows.append(run_one(dep, which, ns, Path(t)))
     except KeyboardInterrupt:
-        print("bench prefixcompare: interrupted", file=sys.stderr)
+        print("spec-bench prefixcompare: interrupted", file=sys.stderr)
         return 130
     config["loadavg_end"] = loadavg()
     text = render(rows, config)
@@ -380,7 +381,7 @@ def main(argv: list[str]) -> int:
     print("wrote " + ", ".join(str(x) for x in paths))
     ran = [r for r in rows if "skipped" not in r]
     if not ran or any(r["completed"] == 0 for r in ran):
-        print("bench prefixcompare: a router completed no request; see the table", file=sys.stderr)
+        print("spec-bench prefixcompare: a router completed no request; see the table", file=sys.stderr)
         return 1
     return 0
 
