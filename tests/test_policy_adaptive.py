@@ -779,7 +779,7 @@ async def test_router_state_needs_the_api_key_when_one_is_set(sim_factory, route
 # ---------------------------------------------------------------- settings
 
 def test_adaptive_settings():
-    from router.app import make_policy
+    from router.policies import make_policy
     from router.settings import ConfigError, load_settings
 
     s = load_settings(None, {"baseline": "http://b:1", "speculative": "http://s:1", "policy": "adaptive",
