@@ -10,7 +10,7 @@ from router.tasks import cancel
 
 log = logging.getLogger("router.learner")
 
-# Samples one step of learning goes over: one step of a speed model's refit (~0.1-0.5 ms; docs/BENCH.md, "s34").
+# Samples one step of learning goes over: one step of a speed model's refit (~0.1-0.5 ms).
 LEARN_STEP = FIT_STEP
 
 

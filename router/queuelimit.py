@@ -6,10 +6,9 @@ from __future__ import annotations
 # that could have shown it running more did not. A request ran beside those of the others on it that were
 # streaming when its own first token came; it could have shown more when others were in flight as it was sent.
 # A batching server shows no more than the most seen so far only when the others end (or have not yet started)
-# during the new request's time to first token: a chance of about that time over a request's duration (0.15 on
-# the family's prefill-long member by its parameters); at 0.2, three in a row is under 1%, and one request seen
-# running beside more lifts the figure again. The llama.cpp pair's engines serve one request at a
-# time: in all 18 pairs sent together, the second's first token came after the first's last (docs/BENCH.md "s40").
+# during the new request's time to first token: a chance of about that time over a request's duration (~0.15 with
+# long prompts); at 0.2, three in a row is under 1%, and one request seen running beside more lifts the figure
+# again. A serial engine (one request at a time) shows its second request's first token after the first's last.
 QUEUE_WITNESSES = 3
 
 

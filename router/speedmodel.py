@@ -19,9 +19,8 @@ HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
 # Shape: per load band the line's mean relative error there, shrunk by BAND_SHRINK pseudo-samples scaled by
 # (noise / SHAPE_NOISE)^2, at least MIN_SHRINK of it: real servers are not straight lines. The shrink is the
 # empirical-Bayes one, noise^2 / tau^2 with tau = SHAPE_NOISE / sqrt(BAND_SHRINK) (~4.5%) how far a band is
-# believed to sit off the line, and is not capped: capped at BAND_SHRINK, a band of a server whose requests
-# scatter by 50% followed its own ~10% noise, and prefill-long's speculative model ran 4-7% fast at 2-3 running
-# where the right split is a tie (docs/BENCH.md "s33", "s36").
+# believed to sit off the line, and is not capped: capped, a band of a server whose requests scatter by 50%
+# follows its own ~10% noise.
 BAND_SHRINK = 5.0
 SHAPE_NOISE = 0.1
 MIN_SHRINK = 0.04
@@ -34,8 +33,7 @@ MEMORY_TARGET = 0.03
 MAX_FORGETTING = 0.998
 # A refit over a thousand samples takes ~3.5 ms of pure Python. A model that defers (SpeedModel.defer) leaves a refit
 # over SYNC_FIT samples or more to its owner, who runs it FIT_STEP samples at a time (fit_steps) between the event
-# loop's other work: run at once, each such refit held every stream the router forwards, and on the issue's pair at
-# 32 clients that cost adaptive 2-3% of its throughput against balanced at the same split (docs/BENCH.md, "s34").
+# loop's other work: run at once, each such refit holds every stream the router forwards.
 SYNC_FIT = 128
 FIT_STEP = 256
 
@@ -56,9 +54,8 @@ def band(n: float) -> int:
 
     Light load has a band per count because the decisions there are between one, two and three running, and a
     server is least a straight line there (a speculative server alone runs ~8% faster than a line fitted to
-    busier traffic says). With 2-3 in one band, a model that had samples at 1.7 running and few alone put the
-    TP4 speculative server alone 7% below its speed (the line's error, shrunk toward by the 1.7s), and two
-    clients both went to the baseline (0.96x of one each)."""
+    busier traffic says); with 2-3 in one band, samples at 1.7 running pull the estimate alone toward the line's
+    error."""
     if n < 3.5:
         return max(int(n + 0.5), 1) - 1
     return max(int(n), 4).bit_length()
@@ -263,11 +260,9 @@ class SpeedModel:
                     t1 += w * n * yp
             # The slope is as sure as the samples' spread in load makes it, against a prior belief (the prior's or
             # the neutral shape, b/a) worth (s / SLOPE_PRIOR)^2 samples a request apart: a ridge on b - r a. Loads
-            # that barely differ leave the shape (a prefill-long warm-up left the speculative model 30 samples at 1
-            # running and two at 1.13, whose own slope, 50 ms a token per request, shut that server out of every
-            # busier load); a few requests a whole request apart that took twice as long (a server that serves
-            # one at a time) move it. The hard switch before (a load variance of 0.25) kept a serial llama.cpp
-            # engine's second request as cheap as the prior's 5% for a whole judge level (docs/BENCH.md "s39").
+            # that barely differ leave the shape (a steep slope from samples at 1 and 1.13 running would shut a server
+            # out of every busier load); a few requests a whole request apart that took twice as long (a server
+            # that serves one at a time) move it.
             mu = (s / SLOPE_PRIOR) ** 2 * s00 / max(age_sum, 1e-12)
             r00, r01, r11 = s00 + mu * r * r, s01 - mu * r, s11 + mu
             det = r00 * r11 - r01 * r01
@@ -340,9 +335,7 @@ class SpeedModel:
                 at[k] = min(max(loads[k] / w, EDGES[k]), EDGES[k + 1])
         got = monotone(got, effs, at, a, b)
         # A band between two measured ones is on the straight line between their points (Params.token_time), not
-        # on the fitted line: a warm-up at 1, 5, 30 and 100 clients left the TP8 baseline without samples at 8-15
-        # running, where the line (bent 3-11% either side by the measured bands) was 9% fast, and 10 clients kept
-        # one request too many there.
+        # on the fitted line, which measured bands either side bend off the server where it has no samples.
         yield len(data)
         return tuple((k, got[k], at[k]) for k in sorted(got)), counts
 

@@ -94,12 +94,12 @@ def test_adaptive_publishes_a_deferred_refit_when_learn_has_run_it():
         for pol in (eager, lazy):
             pol.observe(o)
             pol.observe_loads(S1, "speculative", LoadFigures(8, 0, None, 2.5, 48))
-        left += bool(lazy.pending)  # a refit left to learn()
+        left += bool(lazy.speeds.pending)  # a refit left to learn()
         while lazy.learn(LEARN_STEP):
             steps += 1
-        assert not lazy.pending
+        assert not lazy.speeds.pending
     assert left >= 10 and steps > left  # run in several steps each
-    assert lazy.published == eager.published and lazy.spreads == eager.spreads
+    assert lazy.speeds.published == eager.speeds.published and lazy.speeds.spreads == eager.speeds.spreads
 
 
 def test_pools_without_a_learner_run_the_refits_at_once():
@@ -107,7 +107,7 @@ def test_pools_without_a_learner_run_the_refits_at_once():
     pools = Pools([S1], [B1], policy=pol)
     for o in observations(400):
         pools.report_done(pools.by_url[o.url], o)
-    assert not pol.pending
+    assert not pol.speeds.pending
 
 
 async def test_the_learner_runs_refits_in_steps_while_the_loop_serves_others():
@@ -135,9 +135,9 @@ async def test_the_learner_runs_refits_in_steps_while_the_loop_serves_others():
         assert pools.learner is not None
         for o in observations(800):
             pools.report_done(pools.by_url[o.url], o)
-        assert pol.pending and not seen  # left for the learner, not run inside report_done
+        assert pol.speeds.pending and not seen  # left for the learner, not run inside report_done
         for _ in range(10_000):
-            if not pol.pending:
+            if not pol.speeds.pending:
                 break
             await asyncio.sleep(0)
         else:
@@ -174,11 +174,11 @@ def test_a_pool_fed_by_one_instance_shares_its_model_and_splits_at_a_second():
         pol.observe(o)
         alone.update(o.inflight_at_start, o.duration_s / o.completion_tokens)
         if i == 600:
-            assert pol.models["speculative"] is pol.models[S1]  # one object, refitted once per refit
-            assert pol.published["speculative"] == pol.published[S1]
-    assert pol.models["speculative"] is not pol.models[S1]
-    assert fitted(pol.models["speculative"]) == fitted(alone)
-    assert pol.models[S1].samples == 201 and pol.models[s2].samples == 99
+            assert pol.speeds.models["speculative"] is pol.speeds.models[S1]  # one object, refitted once per refit
+            assert pol.speeds.published["speculative"] == pol.speeds.published[S1]
+    assert pol.speeds.models["speculative"] is not pol.speeds.models[S1]
+    assert fitted(pol.speeds.models["speculative"]) == fitted(alone)
+    assert pol.speeds.models[S1].samples == 201 and pol.speeds.models[s2].samples == 99
 
 
 def test_a_second_instances_load_figures_split_the_pool_without_touching_the_first():
@@ -187,8 +187,8 @@ def test_a_second_instances_load_figures_split_the_pool_without_touching_the_fir
     for o in observations(60):
         pol.observe(o)
     pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, None, 48))
-    assert pol.models["speculative"] is pol.models[S1]
+    assert pol.speeds.models["speculative"] is pol.speeds.models[S1]
     pol.observe_loads(s2, "speculative", LoadFigures(4, 0, None, None, 16))
-    assert pol.models[S1].max_running == 48
-    assert pol.models["speculative"] is not pol.models[S1] and pol.models["speculative"].max_running == 16
-    assert pol.models[s2].max_running == 16
+    assert pol.speeds.models[S1].max_running == 48
+    assert pol.speeds.models["speculative"] is not pol.speeds.models[S1] and pol.speeds.models["speculative"].max_running == 16
+    assert pol.speeds.models[s2].max_running == 16
