@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from router.observe import Observation
 from router.policy import BackendView, other
 from router.queuelimit import QueueWitness
-from router.speedmodel import NEUTRAL, Params, PrefillModel, SpeedModel, shrink
+from router.speedmodel import Params, PrefillModel, SpeedModel, shrink
 from router.tuning import DEFAULT, Tuning
 
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
@@ -166,7 +166,7 @@ class SpeedEstimator:
     def model(self, key: str, pool: str) -> SpeedModel:
         m = self.models.get(key)
         if m is None:
-            m = self.models[key] = SpeedModel(self.forgetting, self.priors.get(pool))
+            m = self.models[key] = SpeedModel(self.forgetting, self.priors.get(pool), self.t)
             m.max_running = self.max_running
             m.defer = self.defer_fits
             self.published[key] = m.params()
@@ -211,7 +211,7 @@ class SpeedEstimator:
             # Curves from a calibration: measured at every load already, its own samples' scatter only.
             return s / math.sqrt(max(held, 1))
         s = math.sqrt((k * s * s + t.prior_spread_n * t.prior_spread ** 2) / (k + t.prior_spread_n))
-        pseudo = shrink(s) if b.load_estimate >= t.low_load else 0.0
+        pseudo = shrink(s, t) if b.load_estimate >= t.low_load else 0.0
         return s / math.sqrt(held + pseudo) if held else max(s, t.unmeasured)
 
     def unsure(self, b: BackendView) -> float:
@@ -237,7 +237,7 @@ class SpeedEstimator:
             o = other(b.pool)
             om = self.models.get(o)
             known = om is not None and (om.samples >= self.t.min_pool_samples or o in self.priors)
-            src = self.published[o] if known else Params(*NEUTRAL)
+            src = self.published[o] if known else Params(*self.t.neutral)
             # All of it but the queue limit, shape included: a copy of the line alone, a few percent off the
             # original, lost every tie at equal loads, so this pool never got the samples that end the borrowing.
             return self.provisional(b, replace(src, max_running=self.model(b.pool, b.pool).max_running))
@@ -389,7 +389,9 @@ class SpeedEstimator:
         """One finished exchange: its seconds per token, against the requests running then; its prefill."""
         t = self.t
         if obs.running_beside is not None and self.max_running is None and obs.url not in self.reported:
-            w = self.witness.setdefault(obs.url, QueueWitness())
+            w = self.witness.get(obs.url)
+            if w is None:
+                w = self.witness[obs.url] = QueueWitness(t.queue_witnesses)
             before = w.limit()
             w.note(obs.inflight_at_start, obs.running_beside)
             if w.limit() != before:
@@ -408,7 +410,7 @@ class SpeedEstimator:
         for key in (obs.url, obs.pool, EVERY):
             pm = self.prefill.get(key)
             if pm is None:
-                pm = self.prefill[key] = PrefillModel(self.forgetting)
+                pm = self.prefill[key] = PrefillModel(self.forgetting, t)
             pm.note(uncached)
             if alone:
                 pm.update(uncached, obs.ttft_s)

@@ -9,6 +9,29 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Tuning:
+    # ---- one server's speed model (router.speedmodel)
+    neutral: tuple[float, float] = (0.01, 0.0005)  # s/token alone, s/token per request more; a model with no prior starts here (100 tok/s alone, 2000 at saturation)
+    prior_weight: float = 20.0  # samples; what a calibration curve given as a prior counts as, fading like them
+    min_alpha: float = 1e-5  # s/token; the least token time alone a fit may give
+    n_ref: float = 10.0  # requests; the prior's second pseudo-sample is at this typical load
+    band_window: int = 128  # samples kept per load band (a band the traffic left keeps its own, faded by age)
+    eager_fits: int = 32  # samples; a model refits at every one of its first this many
+    refit_every: int = 4  # samples; then refits every this many, or every held/refit_share when more are held
+    refit_share: int = 32  # (a refit costs ~6 us per sample held)
+    huber: float = 2.5  # robust sds of log(measured / predicted); samples beyond are down-weighted (stalls, hiccups)
+    min_scale: float = 0.02  # log sd; the least robust scatter a fit assumes (a few equal samples have none)
+    err_gain: float = 0.05  # EWMA weight of the model's error on each new sample (about the last 20)
+    band_shrink: float = 5.0  # pseudo-samples a band's shape factor is shrunk toward the line by, at shape_noise scatter
+    shape_noise: float = 0.1  # relative; the scatter at which the shrink is band_shrink (it scales with (noise / this)^2)
+    min_shrink: float = 0.04  # share of band_shrink a quiet server's bands are still shrunk by
+    slope_prior: float = 0.25  # relative; how far one more request is believed to move a token time off the prior shape
+    min_band_level: int = 3  # samples; a band's own median centres its clipping from here, before the line does
+    memory_target: float = 0.03  # relative; a scattered server's model forgets no faster than keeps its curve this sure
+    max_forgetting: float = 0.998  # the slowest forgetting that allows
+    sync_fit: int = 128  # samples; a deferring model leaves refits over this many to its owner (they would hold the loop)
+    fit_step: int = 256  # samples one step of such a refit goes over (~0.1-0.5 ms)
+    prefill_min_spread: float = 0.05  # relative sd; prompt lengths varying less leave the prefill's per-token slope unknown
+    queue_witnesses: int = 3  # requests in a row that could have shown a backend running more and did not: its limit is inferred
     # ---- the speed estimator: which model a decision uses, and how sure it is
     min_instance_samples: int = 20  # samples; an instance routes on its own model from here, before on its pool's
     min_pool_samples: int = 1  # samples; a pool with fewer (and no prior) borrows the other pool's model

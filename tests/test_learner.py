@@ -13,7 +13,8 @@ from router.app import STATE
 from router.learner import LEARN_STEP, Learner
 from router.observe import LoadFigures, Observation
 from router.pools import Pools
-from router.speedmodel import FIT_STEP, SYNC_FIT, SpeedModel
+from router.speedmodel import SpeedModel
+from router.tuning import DEFAULT
 
 S1, B1 = "http://s1:1", "http://b1:1"
 
@@ -32,7 +33,7 @@ def fitted(m: SpeedModel) -> tuple:
 def test_a_stepped_refit_is_the_refit():
     m = SpeedModel()
     feed(m, 1500)
-    assert m.held() > 3 * FIT_STEP
+    assert m.held() > 3 * DEFAULT.fit_step
     other = copy.deepcopy(m)
     steps = list(m.fit_steps(step=100))
     other.fit()
@@ -43,8 +44,8 @@ def test_a_stepped_refit_is_the_refit():
 def test_a_deferring_model_leaves_big_refits_due_and_changes_only_when_one_ends():
     lazy, eager = SpeedModel(), SpeedModel()
     lazy.defer = True
-    feed(lazy, SYNC_FIT - 1)
-    feed(eager, SYNC_FIT - 1)
+    feed(lazy, DEFAULT.sync_fit - 1)
+    feed(eager, DEFAULT.sync_fit - 1)
     assert not lazy.due and fitted(lazy) == fitted(eager)  # small refits still run at once
     rng = random.Random(5)
     for _ in range(40):
@@ -144,7 +145,7 @@ async def test_the_learner_runs_refits_in_steps_while_the_loop_serves_others():
             pytest.fail("the learner left refits pending after 10,000 turns of the loop")
         assert len(seen) >= 4  # in steps ...
         assert all(b > a for a, b in zip(seen, seen[1:], strict=False))  # ... with the loop turning between them
-        assert pol.pool_model("baseline").samples > SYNC_FIT
+        assert pol.pool_model("baseline").samples > DEFAULT.sync_fit
     finally:
         other.cancel()
         await learner.stop()

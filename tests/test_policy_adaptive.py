@@ -16,9 +16,9 @@ from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
 from router.pools import Pools
-from router.queuelimit import QUEUE_WITNESSES, QueueWitness
-from router.speedmodel import MAX_FORGETTING, Params, SpeedModel, band
-from router.tuning import DEFAULT
+from router.queuelimit import QueueWitness
+from router.speedmodel import Params, SpeedModel, band
+from router.tuning import DEFAULT, Tuning
 
 S1, S2, B1 = "http://s1:1", "http://s2:1", "http://b1:1"
 # Seconds per token per request at n running, alpha + beta*n, near the shipped TP8 profiles' curves.
@@ -238,24 +238,23 @@ def test_memory_grows_with_the_requests_scatter():
     feed(quiet, SEED_BASE, 200, random.Random(1), noise=0.05)
     scattered(loud, SEED_SPEC, 200, random.Random(1))
     assert quiet.memory() == 0.99
-    assert loud.spread > 0.3 and 0.995 < loud.memory() <= MAX_FORGETTING
+    assert loud.spread > 0.3 and 0.995 < loud.memory() <= DEFAULT.max_forgetting
 
 
-def test_a_scattered_server_is_known_better_with_the_longer_memory(monkeypatch):
+def test_a_scattered_server_is_known_better_with_the_longer_memory():
     """30 servers whose requests scatter like prefill-long's (per-request acceptance, sd ~50%), 600 requests at
     1-8 running: at 8 running the model's worst-but-three error over the seeds. With the configured forgetting
     alone (0.99: ~100 samples' memory) it is ~1.5x larger."""
-    def worst(seeds=range(30)):
+    def worst(seeds=range(30), tuning=DEFAULT):
         errs = []
         for seed in seeds:
-            m = SpeedModel(0.99)
+            m = SpeedModel(0.99, tuning=tuning)
             scattered(m, SEED_SPEC, 600, random.Random(seed))
             errs.append(abs(m.params().throughput(8) / tput(SEED_SPEC, 8) - 1))
         return sorted(errs)[-4]
 
     longer = worst()
-    monkeypatch.setattr(speedmodel, "MAX_FORGETTING", 0.99)
-    assert longer < 0.1 and longer < 0.8 * worst()
+    assert longer < 0.1 and longer < 0.8 * worst(tuning=Tuning(max_forgetting=0.99))
 
 
 def test_a_scattered_server_still_follows_a_step_change():
@@ -959,7 +958,7 @@ def test_loads_a_fraction_of_a_request_apart_do_not_make_a_slope():
         m.update(1.0, truth(GOOD_SPEC, 1) * (1 + rng.gauss(0, 0.3)))
     m.update(1.13, truth(GOOD_SPEC, 1) * 2)
     m.update(1.14, truth(GOOD_SPEC, 1) * 2)
-    assert m.params().token_time(2) < (1 + speedmodel.SLOPE_PRIOR) * m.params().token_time(1)
+    assert m.params().token_time(2) < (1 + DEFAULT.slope_prior) * m.params().token_time(1)
 
 
 def test_a_few_requests_a_whole_request_apart_make_a_slope():
@@ -1116,7 +1115,7 @@ def test_a_scattered_servers_light_band_is_as_unsure_as_its_own_samples():
 
 def test_queue_witness_infers_a_serial_server_and_a_batching_one_lifts_it():
     w = QueueWitness()
-    for _ in range(QUEUE_WITNESSES - 1):
+    for _ in range(DEFAULT.queue_witnesses - 1):
         w.note(2, 0)  # sent beside one, and nothing else ran when its first token came
         assert w.limit() is None
     w.note(1, 0)  # sent alone: it could have shown nothing
@@ -1125,11 +1124,11 @@ def test_queue_witness_infers_a_serial_server_and_a_batching_one_lifts_it():
     assert w.limit() == 1
     w.note(2, 1)  # seen running beside another: not serial after all, and not yet known to stop at 2
     assert w.most == 2 and w.limit() is None
-    for _ in range(QUEUE_WITNESSES):
+    for _ in range(DEFAULT.queue_witnesses):
         w.note(3, 1)
     assert w.limit() == 2
     # A batching server whose other request sometimes ends during a long prefill: one sighting of both running
-    # ends the count, and it never reaches QUEUE_WITNESSES in a row here.
+    # ends the count, and it never reaches DEFAULT.queue_witnesses in a row here.
     rng = random.Random(4)
     b = QueueWitness()
     for _ in range(500):
@@ -1209,7 +1208,7 @@ def test_a_second_request_is_not_sent_behind_the_first_once_the_server_is_known_
             pol.observe(Observation(pool, url, 1, 1, y * 24, y * 4, 24, 24, True))
     busy = view(0, 1)
     assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] > 200  # behind the one running
-    for _ in range(QUEUE_WITNESSES):
+    for _ in range(DEFAULT.queue_witnesses):
         pol.observe(Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, running_beside=0))
     assert pol.pool_model("baseline").max_running == 1
     assert pol.state(busy)["backends"][1]["max_running_from"] == "inferred"
@@ -1264,7 +1263,7 @@ async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_fa
                 extra_headers={"X-Router-Pool": "baseline"})
             assert [c async for c in stream]
 
-        for _ in range(2 * QUEUE_WITNESSES):
+        for _ in range(2 * DEFAULT.queue_witnesses):
             await asyncio.gather(one(), one())
     async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
         backends = {b["pool"]: b for b in (await r.json())["model"]["backends"]}
