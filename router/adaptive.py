@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from router.acceptdrift import AcceptDrift
 from router.estimator import SpeedEstimator, sample, uncached_tokens
 from router.explorer import Explorer
-from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, GAIN, POOLS, BackendView, Decision, View, healthy, sole_pool
 from router.rule import OBJECTIVES, DecisionRule
 from router.speedmodel import SpeedModel
 from router.tuning import DEFAULT, Tuning
+
+if TYPE_CHECKING:
+    from router.observe import LoadFigures, Observation
 
 STATE_LOADS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the loads /router/state shows each model's per-request speed at
 

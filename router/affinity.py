@@ -4,10 +4,11 @@ gives the picker the terms that keep a conversation in the pool holding its pref
 the re-prefill costs. It never changes a decision: the picker (router.core.plugins.Picker) makes it once."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from router.core.figures import Figures
 from router.core.plugins import Placement, PoolScores, Scored, Scores
 from router.core.snapshot import Endpoint, Snapshot
-from router.observe import LoadFigures, Observation
 from router.policy import (
     AFFINITY,
     FAILOVER,
@@ -22,6 +23,9 @@ from router.policy import (
     other,
 )
 from router.prefix import BLOCK_BYTES, IMAGE, NO_TEXT, TEXT, TOKEN_IDS, PrefixIndex, Prompt
+
+if TYPE_CHECKING:
+    from router.observe import LoadFigures, Observation
 
 REASONS = (AFFINITY, LOAD_OVERRIDE, NO_MATCH, SINGLE, POOL_KEPT, POOL_MOVED, NO_TEXT, IMAGE, TOKEN_IDS)
 LOST_POLLS = 3  # polls in a row with cache_hit_rate 0, after it was above 0, that mean the cache was lost

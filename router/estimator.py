@@ -8,12 +8,15 @@ import copy
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from router.observe import Observation
 from router.policy import BackendView, other
 from router.queuelimit import QueueWitness
 from router.speedmodel import Params, PrefillModel, SpeedModel, shrink
 from router.tuning import DEFAULT, Tuning
+
+if TYPE_CHECKING:
+    from router.observe import Observation
 
 EVERY = "*"  # the prefill model of every server together (no backend URL or pool is named so)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from router.observe import LoadFigures, Observation
+if TYPE_CHECKING:
+    from router.observe import LoadFigures, Observation
+
 
 SPECULATIVE = "speculative"
 BASELINE = "baseline"

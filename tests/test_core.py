@@ -123,3 +123,15 @@ def test_no_plug_in_sees_or_changes_the_decision_after_the_picker():
     assert got.decision.backend in backends  # the live backend, for the lease
     with pytest.raises(AttributeError):
         got.decision.reason = "rewritten"  # frozen: the picker's decision is final
+
+
+def test_the_core_and_the_policies_import_no_io_metrics_or_prometheus():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import router.core.scheduler, router.affinity, router.adaptive, router.policies\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'prometheus_client', 'asyncio')"
+            " or m in ('router.metrics', 'router.exporter', 'router.pools')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)
+    assert out.stdout.strip() == "[]"

@@ -3,8 +3,11 @@ place (observe / observe_loads, called by router.pools.Pools), read by every sco
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from router.observe import LoadFigures, Observation
+if TYPE_CHECKING:
+    from router.observe import LoadFigures, Observation
+
 
 # Cold-start figures, replaced by what the backends' own answers measure (named assumptions, docs/ROUTER.md):
 PRIOR_BYTES_PER_TOKEN = 4.0  # English through a BPE tokenizer, JSON quoting included

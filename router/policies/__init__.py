@@ -2,6 +2,8 @@
 settings (make_policy)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from router.curves import fit_token_time
 from router.policies.balanced import Balanced
 from router.policies.global_mode import Global
@@ -9,7 +11,9 @@ from router.policies.least_inflight import LeastInflight
 from router.policies.round_robin import RoundRobin
 from router.policies.spillover import Spillover
 from router.policy import Policy
-from router.settings import Settings
+
+if TYPE_CHECKING:
+    from router.settings import Settings
 
 NAMES = ("spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive")
 
