@@ -17,7 +17,7 @@ class Tuning:
     band_window: int = 128  # samples kept per load band (a band the traffic left keeps its own, faded by age)
     eager_fits: int = 32  # samples; a model refits at every one of its first this many
     refit_every: int = 4  # samples; then refits every this many, or every held/refit_share when more are held
-    refit_share: int = 32  # (a refit costs ~6 us per sample held)
+    refit_share: int = 32  # divisor; once more are held, refits every held/this samples (a refit costs ~6 us a sample)
     huber: float = 2.5  # robust sds of log(measured / predicted); samples beyond are down-weighted (stalls, hiccups)
     min_scale: float = 0.02  # log sd; the least robust scatter a fit assumes (a few equal samples have none)
     err_gain: float = 0.05  # EWMA weight of the model's error on each new sample (about the last 20)
@@ -27,7 +27,7 @@ class Tuning:
     slope_prior: float = 0.25  # relative; how far one more request is believed to move a token time off the prior shape
     min_band_level: int = 3  # samples; a band's own median centres its clipping from here, before the line does
     memory_target: float = 0.03  # relative; a scattered server's model forgets no faster than keeps its curve this sure
-    max_forgetting: float = 0.998  # the slowest forgetting that allows
+    max_forgetting: float = 0.998  # weight kept per sample; the longest memory (~500 samples) that lets a model keep
     sync_fit: int = 128  # samples; a deferring model leaves refits over this many to its owner (they would hold the loop)
     fit_step: int = 256  # samples one step of such a refit goes over (~0.1-0.5 ms)
     prefill_min_spread: float = 0.05  # relative sd; prompt lengths varying less leave the prefill's per-token slope unknown
