@@ -1,4 +1,5 @@
-"""Pure routing decisions: one small object per policy behind one interface; live backends in, a choice out; no I/O."""
+"""The pool policy interface (one small object per policy, router/policies/ and router.adaptive), the reasons a
+decision gives (metric label values), and the helpers the policies share; a snapshot in, a proposal out; no I/O."""
 from __future__ import annotations
 
 import random
@@ -39,7 +40,8 @@ POOL_MOVED = "pool_moved"  # the policy's pool won although the other held the p
 
 
 class BackendView(Protocol):
-    """What a policy reads of a backend (router.pools.Backend, or BackendLoad in tests), live, never copied."""
+    """What a policy reads of a backend: a decision's snapshot of it (router.core.snapshot.Endpoint), the live
+    router.pools.Backend (state()), or a BackendLoad (tests)."""
 
     url: str
     pool: str
@@ -73,7 +75,7 @@ class BackendLoad:
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """The backends a policy chooses from, grouped by pool once; health and load are read live from each."""
+    """The backends a policy chooses from, grouped by pool once."""
 
     backends: tuple[BackendView, ...]
     speculative: tuple[BackendView, ...]

@@ -202,8 +202,9 @@ def test_one_builder_makes_one_object_per_policy_and_rejects_unknown_names():
         policies.make_policy(SimpleNamespace(policy="balanced", curves=lambda: None))
 
 
-def test_policies_read_live_backends_without_copies():
-    # The view holds the pools' own Backend objects: a lease taken after the view was built is seen at once.
+def test_each_decision_sees_the_leases_taken_before_it():
+    # The pools' view holds their own Backend objects, and each decision snapshots them anew: a lease taken after
+    # the view was built is seen by the next decision at once.
     pools = Pools([S1], [B1], policy=policy_of("spillover", threshold=1), threshold=1)
     for b in pools.backends:
         b.probe_ok(1)
