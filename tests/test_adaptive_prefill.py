@@ -169,11 +169,11 @@ def test_which_prompts_a_server_happened_to_draw_does_not_decide_which_looks_fas
 
 
 def test_the_first_samples_are_folded_unmoved_and_the_models_rebuilt_moved_once_the_covariate_is_measured():
-    """Until the prefill model of every server holds COVARIATE_SAMPLES idle requests, samples enter the models
+    """Until the prefill model of every server holds Tuning.covariate_samples idle requests, samples enter the models
     unmoved (decisions route on them) and are kept; then the models are rebuilt from them moved to the typical
     prompt, keeping a queue limit and an accept-length rescale learned meanwhile, and the tokens per request. A
-    server never found idle measures no prefill: after MAX_EARLY samples they stay unmoved.
-    mutmut: no rebuild, the rebuild dropping the limit or the rescale, the log not ending at MAX_EARLY."""
+    server never found idle measures no prefill: after Tuning.max_early samples they stay unmoved.
+    mutmut: no rebuild, the rebuild dropping the limit or the rescale, the log not ending at max_early."""
     from router.observe import LoadFigures
 
     pol = Adaptive(explore=0.0)
@@ -216,7 +216,7 @@ def test_the_first_samples_are_folded_unmoved_and_the_models_rebuilt_moved_once_
 
 def test_what_the_rebuild_would_replay_is_bounded():
     """Accept-length rescales while no request finishes each add to what the rebuild would replay: beyond
-    MAX_EARLY_LOG the log ends (the models stay as they are), so it cannot grow with time."""
+    max_early_log the log ends (the models stay as they are), so it cannot grow with time."""
     from router.observe import LoadFigures
 
     pol = Adaptive(explore=0.0)

@@ -542,7 +542,7 @@ def test_light_load_exploration_only_where_the_other_pool_would_run_alone_or_bes
                                                       (0.12, 400, "baseline")])
 def test_a_light_load_tie_is_as_wide_as_the_models_are_unsure(noise, alone, pool):
     # One request on the baseline, the speculative server idle; the speculative one alone 10% slower per request
-    # than the baseline with two: beyond NEAR_TIE (3%) the faster wins. Its requests scattering by 12% and
+    # than the baseline with two: beyond Tuning.near_tie (3%) the faster wins. Its requests scattering by 12% and
     # eight of them measured alone, its speed alone is known to ~5%: a tie, which the throughput gain decides
     # (one each). A full band window (128) measured: known to ~1.2%, a tie within 5.4%.
     base = SEED_BASE

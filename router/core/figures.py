@@ -14,7 +14,7 @@ PRIOR_BYTES_PER_TOKEN = 4.0  # English through a BPE tokenizer, JSON quoting inc
 PRIOR_PREFILL_S_PER_TOKEN = 1e-4  # 10k prompt tokens/s
 PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the instance beyond its prefill (decode
 # steps it shares): a named assumption, not learned (learning it from the residual let the prefill term absorb
-# every second of queueing and load fall out of the rule: docs/ROUTER.md "Affinity")
+# every second of queueing and load fall out of the rule: docs/ROUTER.md "Cache-aware routing (prefix affinity)")
 PRIOR_TPOT_S = 0.02  # seconds per output token
 PRIOR_OUTPUT_TOKENS = 256.0
 EWMA = 0.05  # weight of each new sample (about the last 20 count)
