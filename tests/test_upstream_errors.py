@@ -41,6 +41,10 @@ async def post(url: str, body: dict) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
+def no_wait(waited: float | None) -> None:
+    """Client.open's `placed`: nothing to record."""
+
+
 def document(message: str, type_: str, code: str) -> dict:
     return {"error": {"message": message, "type": type_, "code": code}}
 
@@ -228,10 +232,10 @@ async def test_header_values_that_would_split_the_request_are_dropped_alone(raw_
     b = await raw_backend_factory({"/x": sse(b"data: 1\n\n")})
     client = upstream.Client(5.0, 10, 10)
     try:
-        resp = await upstream.send(client, b.url, "/x", b"{}", {
-            "Lf-Only": "a\nInjected: 1", "Kept-1": "one", "Cr-Only": "a\rInjected: 2", "Kept-2": "two"})
+        resp = await client.open(b.url, "/x", b"{}", {
+            "Lf-Only": "a\nInjected: 1", "Kept-1": "one", "Cr-Only": "a\rInjected: 2", "Kept-2": "two"}, no_wait)
         assert resp.status == 200
-        resp.close()
+        resp.end()
     finally:
         client.close()
     (req,) = b.requests
@@ -361,7 +365,7 @@ async def test_an_https_backend_gets_a_tls_handshake_not_plain_http():
     try:
         with pytest.raises(UpstreamError) as info:
             async with asyncio.timeout(10):
-                await upstream.send(client, url, "/v1/x", b"{}", {})
+                await client.open(url, "/v1/x", b"{}", {}, no_wait)
     finally:
         client.close()
         server.close()
