@@ -331,3 +331,49 @@ async def test_each_request_is_counted_and_reported_once_whatever_ended_it(raw_b
     assert counted == {"504": 1, "502": 3, "200": 1}
     assert router.metric("router_request_duration_seconds_count", pool="speculative") == 5
     assert seen == [False, False, False, False, True]
+
+
+async def test_a_stream_runs_from_its_first_token_not_from_its_sending(raw_backend_factory, router_factory):
+    """Stream A runs; stream B is sent to the same backend, which holds it until A has ended (one place on the
+    backend, in effect). What B reports with its first token: nothing ran beside it then, and it waited for A's
+    release. Counted from its sending instead (as a request not streamed is), it would report A beside it and no
+    wait. Seen failing with Exchange.placed's `if not self.streamed` forced true (`self.streamed = None`)."""
+    a_may_end, b_may_answer = asyncio.Event(), asyncio.Event()
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+
+    async def act(c: Conn) -> None:
+        if b.chat_hits() == 1:
+            await c.write(head)
+            await c.write_chunked(sse_body(EVENT))
+            await a_may_end.wait()
+        else:
+            await b_may_answer.wait()
+            await c.write(head)
+            await c.write_chunked(sse_body(EVENT))
+        await c.write_chunked(sse_body("[DONE]"))
+        await c.write(b"0\r\n\r\n")
+
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **SETTINGS)
+    pools = router.state.pools
+    seen = []
+    report_done = pools.report_done
+
+    def recording(backend, obs, placement=None):
+        seen.append(obs)
+        report_done(backend, obs, placement)
+
+    pools.report_done = recording
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as first:
+            assert first.status == 200 and await first.content.readuntil(b"\n\n")
+            second = asyncio.ensure_future(post(router.url, STREAM))
+            await poll(lambda: b.chat_hits() == 2, 10)
+            a_may_end.set()
+            await first.read()
+        await poll(lambda: router.inflight() == {b.url: 1}, 10)  # A's lease ended; B's holds
+        b_may_answer.set()
+        assert await second == (200, sse_body(EVENT, "[DONE]"))
+    a, b_obs = seen
+    assert (a.running_beside, b_obs.running_beside) == (0, 0)
+    assert a.waited_s is None and b_obs.waited_s is not None and b_obs.waited_s > 0

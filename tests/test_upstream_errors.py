@@ -265,6 +265,27 @@ async def test_header_bytes_that_were_not_utf8_are_forwarded_as_they_came(raw_ba
 
 # ---------------------------------------------------------------- places: Gate and Limits
 
+@pytest.mark.parametrize("complete", [True, False])
+async def test_a_reply_ends_once_and_gives_each_place_back_once(raw_backend_factory, complete):
+    """Client.open takes the backend's place and one of the total; Reply.end gives both back (the connection
+    kept for reuse when the answer was read to its end, else closed), and a second end gives nothing more.
+    mutmut: Reply.end's `_client = ""` (a second end fails), its `if client is None` inverted."""
+    b = await raw_backend_factory({"/x": sse(b"data: 1\n\n")})
+    limits = upstream.Limits([b.url], 2)
+    client = upstream.Client(5.0, 3, 10, limits=limits)
+    try:
+        reply = await client.open(b.url, "/x", b"{}", {}, no_wait)
+        assert (limits.slots[b.url].free, client._slots.free) == (1, 2)
+        if complete:
+            assert await reply.read_body() == b"data: 1\n\n"
+        reply.end()
+        reply.end()
+        assert (limits.slots[b.url].free, client._slots.free) == (2, 3)
+        assert len(client.endpoint(b.url).idle) == 0  # the fixture answers with Connection: close
+    finally:
+        client.close()
+
+
 async def test_a_waiter_cancelled_before_its_turn_takes_no_place():
     """mutmut: Gate.take 3 (`and` -> `or`: a cancelled waiter gives back a place it never had, so two
     requests could then be open where one is allowed)."""
