@@ -111,7 +111,7 @@ async def _drain_deadline(app: web.Application) -> None:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
-    st.client = make_client(st.settings)
+    st.client = make_client(st.settings, st.limits)
     yield
     # Runs after the drain: no handler uses the client any more.
     st.client.close()

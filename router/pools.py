@@ -180,7 +180,8 @@ class Backend:
 
 
 class Lease:
-    """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
+    """One request's hold on one backend. It ends once, by finish() (or release(), which is finish without an
+    observation); a second end does nothing, so counts cannot skew."""
 
     __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside", "waited")
 
@@ -222,7 +223,23 @@ class Lease:
             freed = self.backend.last_release
             self.waited = freed - self._t0 if freed > self._t0 else None
 
+    def finish(self, obs: Observation | None, pools: Pools | None = None,
+               placement: Placement | None = None) -> bool:
+        """End the lease with what was observed, whatever happened: the pools hear `obs` (Pools.report_done, with
+        the placement) while the lease still counts, then it is released, even if reporting failed. `obs` None:
+        nothing finished here (an attempt given up for a retry; its failure went through report_attempt).
+        Returns False, and does nothing, when the lease had ended already."""
+        if self._released:
+            return False
+        try:
+            if obs is not None and pools is not None:
+                pools.report_done(self.backend, obs, placement)
+        finally:
+            self.release()
+        return True
+
     def release(self) -> None:
+        """End the lease without an observation (finish(None)); once."""
         if not self._released:
             self._released = True
             if self.beside is not None:

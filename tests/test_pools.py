@@ -407,3 +407,51 @@ def test_a_lease_s_mean_load_ignores_what_the_backend_carried_before_it(monkeypa
     now[0] += 2.0
     assert lease.mean_inflight() == pytest.approx(1.0)
     lease.release()
+
+
+# ---------------------------------------------------------------- the lease's one end
+
+def test_a_lease_finishes_once_reporting_while_it_still_counts():
+    """finish(obs): the pools hear the observation while the lease still counts (the policy reads the backend's
+    load with this request in it), then the lease is released; a second finish (or release) does nothing: no
+    second report, no second release. Seen failing with finish's release moved before report_done (inflight 0
+    in the report)."""
+    p = pools()
+    spec = p.by_url[S1]
+    heard: list[tuple[int, Observation, object]] = []
+    p.report_done = lambda b, obs, placement=None: heard.append((b.inflight, obs, placement))
+    lease = spec.lease()
+    obs = Observation(spec.pool, spec.url, 1, 1, 0.1, 0.01, 10, 3, True)
+    assert lease.finish(obs, p, "placed") is True
+    assert heard == [(1, obs, "placed")] and spec.inflight == 0 and lease.released
+    assert lease.finish(obs, p) is False
+    lease.release()
+    assert len(heard) == 1 and spec.inflight == 0
+
+
+def test_a_lease_is_released_even_when_its_report_fails():
+    """A policy that raises in observe() must not leave the request counted on its backend for ever."""
+    p = pools()
+    spec = p.by_url[S1]
+
+    def broken(b, obs, placement=None):
+        raise RuntimeError("policy bug")
+
+    p.report_done = broken
+    lease = spec.lease()
+    with pytest.raises(RuntimeError):
+        lease.finish(Observation(spec.pool, spec.url, 1, 1, 0.1, 0.01, 10, 3, True), p)
+    assert lease.released and spec.inflight == 0
+
+
+def test_a_lease_given_up_for_a_retry_reports_nothing():
+    """finish(None): an attempt abandoned for another backend; its failure went through report_attempt, nothing
+    finished there, so the policy hears nothing; the lease and its started count end."""
+    p = pools()
+    spec = p.by_url[S1]
+    p.report_done = lambda *a, **k: pytest.fail("reported")
+    lease = spec.lease()
+    lease.start()
+    assert spec.started == 1
+    assert lease.finish(None, p) is True
+    assert (spec.inflight, spec.started) == (0, 0)
