@@ -175,16 +175,6 @@ def sole_pool(view: View, spec_up: bool, rng: random.Random, reason: str) -> Dec
     return in_pool(view, pool, FAILOVER if view.pool(other(pool)) else reason, rng)
 
 
-def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -> Decision | None:
-    """Choose a backend for a new request (router.core.scheduler, no prefix); None when no backend at all is
-    healthy. A pinned pool (the X-Router-Pool header) wins over every policy."""
-    from router.core.scheduler import Scheduler
-
-    sched = Scheduler(policy)
-    got = sched.decide(sched.snapshot(view.backends, pinned), rng)
-    return None if got is None else got.decision
-
-
 def retry_target(view: View, failed_url: str, failed_pool: str, rng: random.Random) -> BackendView | None:
     """Another backend for a retry: the same pool if it has another healthy one, else the other pool."""
     for pool in (failed_pool, other(failed_pool)):

@@ -11,6 +11,7 @@ import pytest
 from router import policies
 from router import policy as P
 from router.adaptive import Adaptive
+from router.core.scheduler import decide as core_decide
 from router.curves import curve_throughput, marginal_gain, request_speed
 from router.policy import (
     ABOVE,
@@ -44,7 +45,7 @@ def snap(s1=0, b1=0, *, s2=None, b2=None, s1_up=True, b1_up=True, s2_up=True, b2
 def decide(view, *, policy="spillover", threshold=0, hysteresis=0, curves=None, pinned=None, rng=None):
     """One decision of a freshly built policy (the factory the router uses)."""
     pol = policy_of(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
-    return P.decide(pol, view, pinned, rng or random.Random())
+    return core_decide(pol, view, pinned, rng or random.Random())
 
 
 SPILLOVER_TABLE = [
@@ -150,7 +151,7 @@ def test_global_does_not_flap_at_the_boundary():
     pol = policy_of("global", threshold=4, hysteresis=2)
     pools = []
     for total in (3, 4, 3, 4, 3, 2, 1, 2, 3, 4):
-        pools.append(P.decide(pol, snap(total, 0), None, random.Random()).pool[0])
+        pools.append(core_decide(pol, snap(total, 0), None, random.Random()).pool[0])
     assert "".join(pools) == "sbbbbbsssb"
 
 
@@ -167,7 +168,7 @@ def test_round_robin_cycles_healthy_backends():
     pol = policy_of("round-robin")
     urls = []
     for _ in range(6):
-        d = P.decide(pol, snap(0, 0, s2=0, s2_up=False, b2=9), None, random.Random())
+        d = core_decide(pol, snap(0, 0, s2=0, s2_up=False, b2=9), None, random.Random())
         assert d.reason == ROUND_ROBIN
         urls.append(d.url)
     assert urls == [S1, B1, B2, S1, B1, B2]

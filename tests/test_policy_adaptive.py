@@ -12,9 +12,10 @@ import pytest
 
 from router import speedmodel
 from router.adaptive import Adaptive, sample
+from router.core.scheduler import decide
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
-from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
+from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View
 from router.pools import Pools
 from router.queuelimit import QueueWitness
 from router.speedmodel import Params, SpeedModel, band

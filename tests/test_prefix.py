@@ -20,9 +20,9 @@ from router.affinity import (
     Placement,
 )
 from router.body import parse_head
-from router.core.scheduler import Scheduler
+from router.core.scheduler import Scheduler, decide
 from router.observe import LoadFigures, Observation
-from router.policy import ABOVE, BELOW, BackendLoad, Decision, Fixed, View, decide
+from router.policy import ABOVE, BELOW, BackendLoad, Decision, Fixed, View
 from router.pools import Pools
 from tests.fixtures_policy import policy_of
 

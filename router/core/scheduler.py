@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from router.core.plugins import Choice, Filter, Picker, Pinned, PinnedPool, Placement, Scorer
 from router.core.snapshot import Snapshot
-from router.policy import ONLY, POOL_CHOICE, Decision, Policy, other
+from router.policy import ONLY, POOL_CHOICE, Decision, Policy, View, other
 from router.prefix import Prompt
 
 
@@ -48,3 +48,11 @@ class Scheduler:
 
 
 __all__ = ["Choice", "Placement", "Scheduler"]
+
+
+def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -> Decision | None:
+    """Choose a backend for a new request without prefix scoring (tests and replays of a bare policy); None when no
+    backend at all is healthy. A pinned pool (the X-Router-Pool header) wins over every policy."""
+    sched = Scheduler(policy)
+    got = sched.decide(sched.snapshot(view.backends, pinned), rng)
+    return None if got is None else got.decision

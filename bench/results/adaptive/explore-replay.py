@@ -20,8 +20,9 @@ import random
 import statistics
 
 from router.adaptive import Adaptive
+from router.core.scheduler import decide
 from router.observe import Observation
-from router.policy import BackendLoad, View, decide
+from router.policy import BackendLoad, View
 from router.tuning import DEFAULT
 
 S, B = "http://s:1", "http://b:1"
