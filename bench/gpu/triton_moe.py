@@ -1,7 +1,7 @@
 """A fused MoE kernel (Triton), in the shape of SGLang's and vLLM's `fused_moe`: one launch per projection.
 
-The assignments (token, expert) of a step are sorted by expert on the GPU and each expert's run padded to BLOCK_M
-rows (`align`, torch ops only, so a CUDA graph captures it with the routing computed inside the step). Each program
+The assignments (token, expert) of a step are grouped by expert on the GPU and each expert's run padded to BLOCK_M
+rows (`align_triton`, one launch, so a CUDA graph captures it with the routing computed inside the step). Each program
 takes BLOCK_M rows of one expert and BLOCK_N output columns: it gathers its input rows by index, streams that
 expert's weight slice once, and writes the rows back to their assignment slots. An expert no token picked launches
 no work, so a 1-token step reads only its k experts' weights. Weights may be fp8 (e4m3, upcast in the kernel:
@@ -59,9 +59,55 @@ def _moe_gemm(a_ptr, b_ptr, c_ptr, w_ptr, sid_ptr, eid_ptr, n_valid, N, K, E, st
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def align(topi: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _align_kernel(ids_ptr, sid_ptr, eid_ptr, cnt_ptr, n, E, ROWS, NBLK, NP: tl.constexpr, EP: tl.constexpr,
+                  RP: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr):
+    """One program: count per expert (atomics), pad each run to BM, prefix-sum, name each block's expert, then
+    place every assignment at its expert's cursor. A decode step has at most a few hundred assignments."""
+    offs = tl.arange(0, NP)
+    m = offs < n
+    ids = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+    ev = tl.arange(0, EP)
+    em = ev < E
+    tl.store(cnt_ptr + ev, tl.zeros([EP], tl.int32), mask=em)
+    r = tl.arange(0, RP)
+    tl.store(sid_ptr + r, tl.zeros([RP], tl.int32) + n, mask=r < ROWS)
+    b = tl.arange(0, BP)
+    tl.store(eid_ptr + b, tl.zeros([BP], tl.int32) + E, mask=b < NBLK)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + ids, 1, mask=m)
+    tl.debug_barrier()
+    counts = tl.load(cnt_ptr + ev, mask=em, other=0)
+    padded = (counts + BM - 1) // BM * BM
+    pstart = tl.cumsum(padded, 0) - padded
+    tl.debug_barrier()
+    tl.store(cnt_ptr + ev, pstart, mask=em)  # the counters become each expert's write cursor
+    for j in range(0, MAXB):
+        tl.store(eid_ptr + pstart // BM + j, ev, mask=em & (j * BM < padded))
+    tl.debug_barrier()
+    pos = tl.atomic_add(cnt_ptr + ids, 1, mask=m)
+    tl.store(sid_ptr + pos, offs, mask=m)
+
+
+def align_triton(topi: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_torch`'s result in one launch (rows within an expert in any order), as engines' moe_align does."""
+    flat = topi.reshape(-1)
+    n = flat.numel()
+    rows = moe_padded_rows(n, experts, block_m)
+    sid = torch.empty(rows, device=flat.device, dtype=torch.int32)
+    eid = torch.empty(rows // block_m, device=flat.device, dtype=torch.int32)
+    cnt = torch.empty(experts, device=flat.device, dtype=torch.int32)
+    _align_kernel[(1,)](flat, sid, eid, cnt, n, experts, rows, rows // block_m, NP=triton.next_power_of_2(n),
+                        EP=triton.next_power_of_2(experts), RP=triton.next_power_of_2(rows),
+                        BP=triton.next_power_of_2(rows // block_m), BM=block_m, MAXB=triton.cdiv(n, block_m),
+                        num_warps=4)
+    return sid, eid
+
+
+def align_torch(topi: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, k) expert ids -> (slot of each padded row, or n as padding; expert of each BLOCK_M block, or
-    `experts` past the end). Fixed-size outputs and no host sync, so it runs inside a captured graph."""
+    `experts` past the end). Fixed-size outputs and no host sync, so it runs inside a captured graph; about 20
+    small launches, so the step uses align_triton when it passes its check."""
     flat = topi.reshape(-1)
     n = flat.numel()
     counts = torch.zeros(experts, device=flat.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
@@ -76,6 +122,10 @@ def align(topi: torch.Tensor, experts: int, block_m: int = BLOCK_M) -> tuple[tor
     starts = torch.arange(0, rows, block_m, device=flat.device, dtype=torch.int64)
     eid = torch.searchsorted(pend, starts, right=True).to(torch.int32)
     return sid, eid
+
+
+# The alignment the step uses; the step's check falls back to align_torch if the one-launch kernel fails it.
+ALIGN = [align_triton]
 
 
 def _gemm(a, w, sid, eid, n_valid, top_k, per_token, weights=None):
@@ -96,10 +146,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topi: torch.
     """x (T, H) bf16; w13 (E, 2F, H), w2 (E, H, F) bf16 or fp8; topi (T, k) int64; topw (T, k) fp32 -> (T, H)."""
     T, k = topi.shape
     f = w2.shape[2]
-    sid, eid = align(topi, w13.shape[0])
+    sid, eid = ALIGN[0](topi, w13.shape[0])
     n = T * k
     g = _gemm(x, w13, sid, eid, n, k, True)
-    act = (F.silu(g[:, :f].float()) * g[:, f:].float()).to(torch.bfloat16)
+    act = F.silu(g[:, :f]) * g[:, f:]
     o = _gemm(act, w2, sid, eid, n, k, False, weights=topw.reshape(-1).float().contiguous())
     return o.view(T, k, -1).sum(1)
 
