@@ -209,6 +209,17 @@ def bandwidth() -> float:
     return 2 * (1 << 30) * 2 / (t["ms"] * 1e-3) / 1e9
 
 
+def graph_launch_us(kernels: int = 1000) -> float:
+    """Microseconds per kernel of a graph of tiny dependent kernels: the launch floor every step kernel pays."""
+    x = torch.zeros(1, device="cuda")
+
+    def chain(x=x):
+        for _ in range(kernels):
+            x.add_(1.0)
+
+    return K.timed(chain, reps=20)["ms"] * 1e3 / kernels
+
+
 def main(out: str, models: list[str], batches: list[int], ctx: int, tp: int, expert_buffers: int,
          layers: int | None, reps: int, command: str) -> int:
     t0 = time.time()
@@ -216,6 +227,8 @@ def main(out: str, models: list[str], batches: list[int], ctx: int, tp: int, exp
            "allreduce": "not measured (one GPU stands in for one rank of TP; two all-reduces per layer are missing)",
            "points": [], "checks": {}, "kernels_per_step": {}, "errors": []}
     doc["copy_gbps"] = bw = bandwidth()
+    doc["graph_launch_us"] = graph_launch_us()
+    print(f"copy {bw:.0f} GB/s, {doc['graph_launch_us']:.2f} us per tiny kernel in a graph", flush=True)
 
     def save():
         doc["wall_s"] = round(time.time() - t0, 1)
