@@ -350,3 +350,22 @@ def test_tp_merge_takes_the_slowest_rank_and_derives_weight_time(tmp_path):
     doc = {"allreduce": [], "stack": [], "split": [], "errors": [], "env": {}}
     tp._merge(doc, str(tmp_path), 2, "nvlink")
     assert "rank 1 wrote no results" in doc["errors"]
+
+
+def test_committed_step_result_is_sane():
+    """bench/results/gpu/step-h100.json (`spec-bench gpu step`): every point graph-captured, at or above its bytes
+    floor, the fused MoE within tolerance, and the time above the floor roughly flat in the batch (the fixed cost
+    docs/SIMULATOR.md quotes)."""
+    doc = json.loads((RESULTS / "step-h100.json").read_text())
+    assert doc["kind"] == "step" and doc["device"]["name"].startswith("NVIDIA H100") and not doc["errors"]
+    assert doc["command"].startswith("spec-bench gpu step")
+    for check in doc["checks"].values():
+        assert all(v < 0.02 for k, v in check.items() if k.startswith("T")), check
+    models = {(p["model"], p["experts"]) for p in doc["points"]}
+    assert models == {("kimi-k2.5", "bf16"), ("kimi-k2.5", "fp8"), ("llama-3.3-70b", None)}
+    for p in doc["points"]:
+        assert p["graph"] and p["ms"] >= 0.95 * p["floor_ms"] > 0, p
+    for m, e in models:
+        over = [p["ms"] - p["floor_ms"] for p in doc["points"] if (p["model"], p["experts"]) == (m, e)
+                and not p["attention"]]
+        assert max(over) < 1.7 * min(over), (m, e, over)
