@@ -222,7 +222,8 @@ def test_cli_without_cuda_exits_2_with_one_line(tmp_path):
             "def imp(name, *a, **k):\n    if name == 'torch' or name.startswith('torch.'):\n"
             "        raise ImportError('no torch')\n    return real(name, *a, **k)\nbuiltins.__import__ = imp\n"
             "from bench.gpu.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    for cmd in (["run", "--out", str(tmp_path / "x.json")], ["tp", "--out", str(tmp_path / "y.json")]):
+    for cmd in (["run", "--out", str(tmp_path / "x.json")], ["tp", "--out", str(tmp_path / "y.json")],
+                ["step", "--out", str(tmp_path / "x.json")]):
         p = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=30)
         assert p.returncode == 2, p
         assert p.stderr.count("\n") == 1 and "CUDA" in p.stderr and "Traceback" not in p.stderr
@@ -231,9 +232,38 @@ def test_cli_without_cuda_exits_2_with_one_line(tmp_path):
         p = subprocess.run([sys.executable, "-m", "bench", "gpu", *bad], capture_output=True, text=True, cwd=ROOT,
                            timeout=30)
         assert p.returncode == 2 and p.stderr.startswith("spec-bench gpu: ") and p.stderr.count("\n") == 1, p
+    for bad in (["--models", "gpt2"], ["--models", "kimi-k2.5:int3"], ["--batches", "0,4"], ["--batches", "x"]):
+        p = subprocess.run([sys.executable, "-m", "bench", "gpu", "step", "--out", str(tmp_path / "s.json"), *bad],
+                           capture_output=True, text=True, cwd=ROOT, timeout=30)
+        assert p.returncode == 2 and p.stderr.startswith("spec-bench gpu step: ") and p.stderr.count("\n") == 1, p
     p = subprocess.run([sys.executable, "-m", "bench", "gpu", "check", str(tmp_path / "missing.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
+
+
+def test_moe_padded_rows_bounds_the_sorted_index():
+    for n, e, bm in ((8, 384, 16), (512, 384, 16), (1, 8, 16), (40, 4, 16)):
+        rows = routing.moe_padded_rows(n, e, bm)
+        assert rows % bm == 0 and rows >= n
+        # the worst case: every touched expert holds one row short of a full block
+        touched = min(n, e)
+        assert rows >= n + touched * (bm - 1)
+    assert routing.moe_padded_rows(8, 384, 16) == 128  # 8 experts, one row each, each padded to 16
+
+
+def test_step_bytes_counts_weights_experts_and_cache():
+    llama, kimi = shapes.LLAMA, shapes.KIMI
+    one = floors.step_bytes(llama, 8, 1, 0)
+    # 70B params over 8 GPUs in bf16, LM head included: about 17.4 GB a step at batch 1 and no cache
+    assert 17.0e9 < one["bytes"] < 17.8e9 and one["kv_bytes"] == 0 and one["expert_bytes"] == 0
+    kv = floors.step_bytes(llama, 8, 4, 1000)["kv_bytes"]
+    assert kv == 80 * 4 * 1000 * 2 * 1 * 128 * shapes.BF16  # k and v of the one kv head this GPU holds
+    k1, k64 = floors.step_bytes(kimi, 8, 1, 0), floors.step_bytes(kimi, 8, 64, 0)
+    assert k1["dense_bytes"] == k64["dense_bytes"]
+    per_expert = shapes.layer_slice(kimi, 8).expert_params() * shapes.BF16
+    assert k1["expert_bytes"] == pytest.approx(60 * 8 * per_expert)  # 60 MoE layers x top-8
+    assert k64["expert_bytes"] / k1["expert_bytes"] == pytest.approx(routing.expected_distinct_uniform(64, 384, 8) / 8)
+    assert floors.step_bytes(kimi, 8, 1, 0, 1)["expert_bytes"] == pytest.approx(k1["expert_bytes"] / 2)  # fp8
 
 
 # ---------------------------------------------------------------- the committed results from the H200
@@ -320,3 +350,22 @@ def test_tp_merge_takes_the_slowest_rank_and_derives_weight_time(tmp_path):
     doc = {"allreduce": [], "stack": [], "split": [], "errors": [], "env": {}}
     tp._merge(doc, str(tmp_path), 2, "nvlink")
     assert "rank 1 wrote no results" in doc["errors"]
+
+
+def test_committed_step_result_is_sane():
+    """bench/results/gpu/step-h100.json (`spec-bench gpu step`): every point graph-captured, at or above its bytes
+    floor, the fused MoE within tolerance, and the time above the floor roughly flat in the batch (the fixed cost
+    docs/SIMULATOR.md quotes)."""
+    doc = json.loads((RESULTS / "step-h100.json").read_text())
+    assert doc["kind"] == "step" and doc["device"]["name"].startswith("NVIDIA H100") and not doc["errors"]
+    assert doc["command"].startswith("spec-bench gpu step")
+    for check in doc["checks"].values():
+        assert all(v < 0.02 for k, v in check.items() if k.startswith("T")), check
+    models = {(p["model"], p["experts"]) for p in doc["points"]}
+    assert models == {("kimi-k2.5", "bf16"), ("kimi-k2.5", "fp8"), ("llama-3.3-70b", None)}
+    for p in doc["points"]:
+        assert p["graph"] and p["ms"] >= 0.95 * p["floor_ms"] > 0, p
+    for m, e in models:
+        over = [p["ms"] - p["floor_ms"] for p in doc["points"] if (p["model"], p["experts"]) == (m, e)
+                and not p["attention"]]
+        assert max(over) < 1.7 * min(over), (m, e, over)

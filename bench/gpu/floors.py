@@ -6,7 +6,8 @@ benchmarks rotate over enough layer copies); activations count once in and once 
 """
 from __future__ import annotations
 
-from bench.gpu.shapes import BF16, INT4_BYTES_PER_PARAM, Slice
+from bench.gpu.routing import expected_distinct_uniform
+from bench.gpu.shapes import BF16, INT4_BYTES_PER_PARAM, Model, Slice, layer_slice, mla_kv_dim
 
 
 def floor_ms(nbytes: float, flops: float, bw_gbps: float, tflops: float) -> float:
@@ -71,3 +72,27 @@ def draft_pass(s: Slice, steps: list[int], hidden: int) -> dict:
         nb += p * BF16 + 2 * m * hidden * BF16
         flops += 2 * m * p
     return {"bytes": nb, "flops": flops}
+
+
+# Dense (non-MoE) leading layers per model: first_k_dense_replace in each config.json (shapes.py quotes them).
+FIRST_DENSE = {"kimi-k2.5": 1, "deepseek-v3": 3}
+
+
+def step_bytes(m: Model, tp: int, batch: int, ctx: int, expert_bytes_per_param: float = BF16) -> dict:
+    """The fewest HBM bytes one full-depth decode step reads on one GPU of TP tp: every layer's dense weights,
+    the routed experts `batch` tokens touch under uniform routing (expected count), the LM head shard, and each
+    request's cache of `ctx` tokens (MLA latent 576/token/layer; GQA k and v of this GPU's kv heads)."""
+    if m.experts:
+        moe, dense0 = layer_slice(m, tp), layer_slice(m, tp, moe=False)
+        n_dense = FIRST_DENSE[m.name]
+        distinct = expected_distinct_uniform(batch, m.experts, m.active)
+        dense_b = (n_dense * dense0.dense_params() + (m.layers - n_dense) * moe.dense_params()) * BF16
+        expert_b = (m.layers - n_dense) * distinct * moe.expert_params() * expert_bytes_per_param
+        kv_b = m.layers * batch * ctx * mla_kv_dim(m) * BF16
+    else:
+        s = layer_slice(m, tp)
+        dense_b, expert_b = m.layers * s.dense_params() * BF16, 0.0
+        kv_b = m.layers * batch * ctx * 2 * s.kv_heads * m.head_dim * BF16
+    head_b = (m.vocab // tp) * m.hidden * BF16
+    total = dense_b + expert_b + kv_b + head_b
+    return {"bytes": total, "dense_bytes": dense_b + head_b, "expert_bytes": expert_b, "kv_bytes": kv_b}

@@ -90,3 +90,10 @@ def grouped(r: Routing) -> tuple[list[int], list[int], list[int]]:
         acc += counts[e]
         offs.append(acc)
     return tok, slot, offs
+
+
+def moe_padded_rows(assignments: int, experts: int, block_m: int) -> int:
+    """Rows a fused MoE kernel's sorted index needs when each touched expert's run is padded to block_m: at most
+    min(assignments, experts) experts are touched, each adding up to block_m - 1 padding rows."""
+    rows = assignments + min(assignments, experts) * (block_m - 1)
+    return -(-rows // block_m) * block_m

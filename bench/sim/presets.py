@@ -127,20 +127,37 @@ SEED_CAL = Calibration(fixed_ms=4.76, per_request_ms=0.4562, bw_efficiency=0.639
 
 SEED_BOX_NAME = "kimi-k25-rtxpro6000-pcie"
 
+# Hopper boxes: the fixed cost MEASURED, not borrowed. `spec-bench gpu step` (bench/results/gpu/step-h100.json,
+# one H100 standing in for one rank of TP8, CUDA graph, no all-reduce) times a full-depth decode step; above its
+# bytes floor (bytes / measured copy bandwidth) it spends a near-constant time, the kernels' latency, per layer:
+# (11.58 - 2.43) ms / 61 layers = 0.150 ms for the Kimi-shaped MLA + MoE model (fp8 experts, batch 1, 2048
+# cached tokens) and (12.81 - 5.78) / 80 = 0.088 ms for Llama-3.3-70B; the excess grows by 0.074 ms per request
+# for the MoE model (9.15 -> 13.82 ms from 1 to 64 requests) and not at all for Llama. The copy reached 90% of the
+# datasheet (3.02 of 3.35 TB/s; 4.3 of 4.8 on an H200, .library KINDS.md). A pass pays its own layers' latency,
+# so a 1-layer draft pass costs 1/61 of a target pass's, not a whole fixed_ms. CPU-side costs per pass and per
+# request are taken as hidden behind the GPU by SGLang's overlap scheduler: an assumption. The routing skew
+# (expert_reuse) is the model's, kept from the seed fit; the GEMM efficiencies are the H200's, as above.
+HOPPER_MOE_CAL = SEED_CAL.model_copy(update={"fixed_ms": 0.0, "layer_ms": 0.150, "per_request_ms": 0.074,
+                                             "bw_efficiency": 0.90})
+HOPPER_DENSE_CAL = SEED_CAL.model_copy(update={"fixed_ms": 0.0, "layer_ms": 0.088, "per_request_ms": 0.0,
+                                               "bw_efficiency": 0.90})
 
-def _box(name: str, shape: ModelShape, gpu: Gpu, link: Interconnect, description: str) -> Box:
-    # Other boxes borrow the seed box's efficiencies and fixed cost (fractions of their own datasheets): an
-    # assumption until a sweep on that hardware is fitted.
-    return Box(name=name, shape=shape, gpu=gpu, gpus=8, link=link, cal=SEED_CAL, description=description)
+
+def _box(name: str, shape: ModelShape, gpu: Gpu, link: Interconnect, description: str,
+         cal: Calibration = SEED_CAL) -> Box:
+    # The RTX PRO 6000 boxes share the seed box's fit; the H200 boxes take the Hopper calibration above.
+    return Box(name=name, shape=shape, gpu=gpu, gpus=8, link=link, cal=cal, description=description)
 
 
 BOXES: dict[str, Box] = {b.name: b for b in (
     _box(SEED_BOX_NAME, KIMI_K25, RTX_PRO_6000, PCIE_SEED, "the seed's box: Kimi K2.5 on 8x RTX PRO 6000 over PCIe"),
-    _box("kimi-k25-h200-nvlink", KIMI_K25, H200, NVLINK, "Kimi K2.5 on 8x H200 over NVLink"),
-    _box("deepseek-v3-h200-nvlink", DEEPSEEK_V3, H200, NVLINK, "DeepSeek-V3 on 8x H200 over NVLink"),
+    _box("kimi-k25-h200-nvlink", KIMI_K25, H200, NVLINK, "Kimi K2.5 on 8x H200 over NVLink", HOPPER_MOE_CAL),
+    _box("deepseek-v3-h200-nvlink", DEEPSEEK_V3, H200, NVLINK, "DeepSeek-V3 on 8x H200 over NVLink",
+         HOPPER_MOE_CAL),
     _box("llama70b-rtxpro6000-pcie", LLAMA_70B, RTX_PRO_6000, PCIE_SEED,
          "Llama-3.3-70B + EAGLE-3 on 8x RTX PRO 6000 over PCIe (the compose default on the seed's box)"),
-    _box("llama70b-h200-nvlink", LLAMA_70B, H200, NVLINK, "Llama-3.3-70B + EAGLE-3 on 8x H200 over NVLink"),
+    _box("llama70b-h200-nvlink", LLAMA_70B, H200, NVLINK, "Llama-3.3-70B + EAGLE-3 on 8x H200 over NVLink",
+         HOPPER_DENSE_CAL),
 )}
 ALIASES = {"seed": SEED_BOX_NAME, "compose": "llama70b-rtxpro6000-pcie"}
 
