@@ -171,9 +171,9 @@ async def record(ns) -> dict:
         t0 = time.monotonic()
         orig = pools.report_done
 
-        def tap(backend, obs: Observation) -> None:
+        def tap(backend, obs: Observation, placement=None) -> None:
             tapped.append(asdict(obs) | {"phase": phase[0], "t": round(time.monotonic() - t0, 3)})
-            orig(backend, obs)
+            orig(backend, obs, placement)
 
         pools.report_done = tap
         try:

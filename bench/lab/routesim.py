@@ -138,8 +138,7 @@ class Bench:
                               duration_s=end - t0, ttft_s=(r.first_at or end) - t0, completion_tokens=r.gen,
                               chunks=1 + r.gen // 16, ok=True, inflight_mean=lease.mean_inflight(),
                               prompt_tokens=r.prompt_tokens)
-            pl.report_done(b, obs)
-            lease.release()
+            lease.finish(obs, pl)
             out.append((t0, end, r.gen, b.pool))
 
         async def level(clients: int, requests: int | None, seconds: float | None, start: int) -> list:
