@@ -1,0 +1,170 @@
+"""The endpoint picker's one decision seam: a parsed request in, the ordered endpoints (with the lease that holds
+the first) or the reason to answer at once out. Every call to Pools and Lease of the picker is in this module."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from router.body import parse_head
+from router.errors import BadRequest, NoHealthyBackend, RouterError
+from router.exchange import POOL_HEADER
+from router.health import summary
+from router.observe import Observation
+from router.policy import POOLS
+from router.pools import Backend, Lease, Pools
+from router.prefix import prompt_of
+from router.streaming import Usage
+
+
+def endpoint_of(url: str) -> str:
+    """A backend URL as the protocol names an endpoint: `ip:port`."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the picker reads of one request: its body (None: a request without one), the pin header's value
+    and the data plane's subset hint (None: no hint; a list, maybe empty, restricts the choice)."""
+
+    body: bytes | None
+    pinned: str | None = None
+    subset: list[str] | None = None
+
+
+class Pick:
+    """One request's picked endpoints and the lease on the first; end() ends the lease exactly once."""
+
+    __slots__ = ("pools", "lease", "endpoints", "placement", "inflight_at_start", "t0", "ttft", "chunks",
+                 "data_events", "usage", "_ended")
+
+    def __init__(self, pools: Pools, lease: Lease, endpoints: list[str], placement=None) -> None:
+        self.pools = pools
+        self.lease = lease
+        self.endpoints = endpoints
+        self.placement = placement  # router.affinity.Placement, None when prefix routing is off
+        self.inflight_at_start = lease.backend.inflight
+        self.t0 = time.monotonic()
+        self.ttft: float | None = None
+        self.chunks = 0
+        self.data_events = 0
+        self.usage = Usage()
+        self._ended = False
+
+    @property
+    def pool(self) -> str:
+        return self.lease.backend.pool
+
+    @property
+    def url(self) -> str:
+        return self.lease.backend.url
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def served(self, endpoint: str) -> None:
+        """The data plane says which endpoint answered: a fallback's answer moves the lease there."""
+        if self._ended or endpoint == self.endpoints[0]:
+            return
+        b = _by_endpoint(self.pools).get(endpoint)
+        if b is None or b is self.lease.backend:
+            return
+        self.lease.release()
+        self.lease = b.lease()
+        self.inflight_at_start = b.inflight
+
+    def sent(self) -> None:
+        """The request went to the backend without a stream to watch: it runs from now."""
+        if not self._ended:
+            self.lease.start()
+
+    def chunk(self, data_events: int) -> None:
+        """A streamed chunk came; the first one is the first token."""
+        if self._ended:
+            return
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.t0
+            self.lease.prefilled()
+        self.chunks += 1
+        self.data_events += data_events
+
+    def end(self, ok: bool) -> None:
+        """The backend's part is over (answered, failed, or the stream was reset): report it and release, once."""
+        if self._ended:
+            return
+        self._ended = True
+        b = self.lease.backend
+        u = self.usage
+        streamed = self.ttft is not None
+        self.pools.report_done(b, Observation(
+            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
+            u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
+            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
+            running_beside=self.lease.beside if streamed else None,
+            waited_s=self.lease.waited if streamed else None), self.placement)
+        self.lease.release()
+
+
+def _by_endpoint(pools: Pools) -> dict[str, Backend]:
+    return {endpoint_of(b.url): b for b in pools.backends}
+
+
+def pinned_pool(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value not in POOLS:
+        raise BadRequest(f"{POOL_HEADER} must be one of {', '.join(POOLS)}", code="invalid_pool")
+    return value
+
+
+class Decider:
+    """Decisions over the router's pools; `endpoints`: how many to name (the first holds the lease)."""
+
+    def __init__(self, pools: Pools, *, block_bytes: int, endpoints: int = 1) -> None:
+        self.pools = pools
+        self.block_bytes = block_bytes
+        self.endpoints = endpoints
+
+    def ready(self) -> bool:
+        return self.pools.any_healthy()
+
+    def decide(self, req: Request) -> Pick | RouterError:
+        """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready)."""
+        try:
+            pinned = pinned_pool(req.pinned)
+            prompt = None
+            if req.body is not None:
+                head = parse_head(req.body)
+                if self.pools.affinity is not None:
+                    prompt = prompt_of(head.messages, head.prompt, self.block_bytes)
+        except BadRequest as err:
+            return err
+        pools = self.pools
+        allowed = None
+        if req.subset is not None:
+            by_ep = _by_endpoint(pools)
+            allowed = [by_ep[e] for e in dict.fromkeys(req.subset) if e in by_ep and by_ep[e].routable]
+            if not allowed:
+                return NoHealthyBackend(f"no ready endpoint in the subset hint ({len(req.subset)} named)")
+        got = pools.place(pinned, prompt)
+        if got is None:
+            return NoHealthyBackend(f"no healthy backend: {summary(pools.backends)}" if pools.backends
+                                    else "no healthy backend")
+        lease, decision, placement = got
+        if allowed is not None and lease.backend not in allowed:
+            # The policy chose outside the hint: the least loaded of the hint, the decided pool first.
+            lease.release()
+            best = min(allowed, key=lambda b: (b.pool != decision.pool, b.load_estimate))
+            lease, placement = best.lease(), None
+        first = lease.backend
+        # Fallbacks: the other routable backends (within the hint), same pool first, least loaded first.
+        rest = sorted((b for b in (allowed if allowed is not None else pools.backends)
+                       if b is not first and b.routable),
+                      key=lambda b: (b.pool != first.pool, b.load_estimate))
+        endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
+        return Pick(pools, lease, endpoints, placement)

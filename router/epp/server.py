@@ -1,0 +1,232 @@
+"""The ext_proc gRPC service of the endpoint picker (Gateway API Inference Extension EPP protocol v1.0.0), full
+duplex on both bodies, plus the gRPC health services; decisions come from router.epp.decide."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from router.epp.decide import Decider, Pick, Request
+from router.errors import PayloadTooLarge, RouterError
+from router.exchange import BACKEND_HEADER, POOL_HEADER
+from router.streaming import scan_usage, split_events, usage_view
+
+log = logging.getLogger("router.epp")
+
+# The protocol's names (endpoint-picker-protocol.md).
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# Where Envoy puts the response attribute deploy/envoy/envoy.yaml asks for: the upstream that answered.
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+UPSTREAM_ADDRESS = "upstream.address"
+HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+# An answer not streamed is kept this far to read its usage; a longer one goes unread.
+USAGE_SCAN_BYTES = 1 << 20
+
+
+def _header(headers: base_pb2.HeaderMap, name: str) -> str | None:
+    for h in headers.headers:
+        if h.key == name:
+            return (h.raw_value or h.value.encode()).decode("latin-1")
+    return None
+
+
+def _set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
+    return pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        for k, v in pairs])
+
+
+def _metadata_value(req: pb.ProcessingRequest, namespace: str, key: str):
+    ns = req.metadata_context.filter_metadata.get(namespace)
+    if ns is None or key not in ns.fields:
+        return None
+    value = ns.fields[key]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values]
+    return value.string_value if kind == "string_value" else None
+
+
+def _served(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint that answered: the protocol's metadata when the data plane sets it, else the upstream
+    address attribute Envoy reports."""
+    got = _metadata_value(req, LB_NAMESPACE, SERVED)
+    if isinstance(got, str) and got:
+        return got
+    attrs = req.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is not None and UPSTREAM_ADDRESS in attrs.fields:
+        return attrs.fields[UPSTREAM_ADDRESS].string_value or None
+    return None
+
+
+def immediate(err: RouterError) -> pb.ProcessingResponse:
+    """The error as the client sees it: OpenAI-style JSON with the error's status."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status),
+        headers=_set_headers([("content-type", "application/json")]),
+        body=json.dumps(err.body()).encode(), details=f"epp_{err.code}"))
+
+
+class Exchange:
+    """One ext_proc stream (one HTTP request): what it read so far and its pick, ended exactly once."""
+
+    def __init__(self, decider: Decider, max_body_bytes: int) -> None:
+        self.decider = decider
+        self.max_body_bytes = max_body_bytes
+        self.pinned: str | None = None
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.pick: Pick | None = None
+        self.status = 0
+        self.sse = False
+        self.done = False  # a stream's [DONE] came
+        self.tail = b""  # an SSE event not complete yet
+        self.answer = bytearray()  # an answer not streamed, up to USAGE_SCAN_BYTES, for its usage
+
+    def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            headers = req.request_headers.headers
+            self.pinned = _header(headers, POOL_HEADER.lower())
+            subset = _metadata_value(req, SUBSET_NAMESPACE, SUBSET)
+            self.subset = subset if isinstance(subset, list) else None
+            if req.request_headers.end_of_stream:
+                return self._decide(None, [])
+            return []  # the headers' answer waits for the body: the pick needs the prompt
+        if kind == "request_body":
+            self.body += req.request_body.body
+            if len(self.body) > self.max_body_bytes:
+                return [immediate(PayloadTooLarge(f"request body is over the {self.max_body_bytes}-byte limit"))]
+            if req.request_body.end_of_stream or req.request_body.end_of_stream_without_message:
+                return self._decide(bytes(self.body), [])
+            return []
+        if kind == "request_trailers":
+            done = [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return done if self.pick is not None else self._decide(bytes(self.body), done)
+        if kind == "response_headers":
+            return [self._response_headers(req)]
+        if kind == "response_body":
+            return [self._response_body(req.response_body)]
+        if kind == "response_trailers":
+            self._end()
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _decide(self, body: bytes | None, after: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
+        got = self.decider.decide(Request(body, self.pinned, self.subset))
+        if isinstance(got, RouterError):
+            return [immediate(got)]
+        self.pick = got
+        value = ",".join(got.endpoints)
+        # The same value in the header and the metadata, as the protocol requires.
+        meta = struct_pb2.Struct()
+        meta.update({LB_NAMESPACE: {DESTINATION: value}})
+        out = [pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                header_mutation=_set_headers([(DESTINATION, value)]))),
+            dynamic_metadata=meta)]
+        if body is not None:
+            out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=body, end_of_stream=not after))))))
+        return out + after
+
+    def _response_headers(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        headers = req.response_headers.headers
+        self.status = int(_header(headers, ":status") or 0)
+        self.sse = (_header(headers, "content-type") or "").startswith("text/event-stream")
+        mutation = None
+        if self.pick is not None:
+            served = _served(req)
+            if served:
+                self.pick.served(served)
+            mutation = _set_headers([(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)])
+            if not self.sse:
+                self.pick.sent()
+            if req.response_headers.end_of_stream:
+                self._end()
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation)))
+
+    def _response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
+        data = body.body
+        end = body.end_of_stream or body.end_of_stream_without_message
+        pick = self.pick
+        if pick is not None and not pick.ended:
+            if self.sse:
+                events, self.tail = split_events(self.tail + data)
+                if events:
+                    pick.chunk(events.count(b"\ndata:") + events.startswith(b"data:"))
+                    scan_usage(events, pick.usage, strip=False)
+                    self.done = self.done or events.rstrip().endswith(b"data: [DONE]")
+            elif len(self.answer) + len(data) <= USAGE_SCAN_BYTES:
+                self.answer += data
+        if end:
+            self._end()
+        # Full duplex: every chunk goes on as it came.
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                body=data, end_of_stream=end)))))
+
+    def _end(self) -> None:
+        pick = self.pick
+        if pick is None or pick.ended:
+            return
+        complete = self.done if self.sse else True
+        if not self.sse and self.status == 200 and b'"usage"' in self.answer:
+            pick.usage.take(usage_view(bytes(self.answer)))
+        pick.end(200 <= self.status < 300 and complete)
+
+    def abandon(self) -> None:
+        """The stream ended before the answer did (reset, cancel, error): the lease ends here, once."""
+        if self.pick is not None and not self.pick.ended:
+            self.pick.end(False)
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, decider: Decider, max_body_bytes: int) -> None:
+        self.decider = decider
+        self.max_body_bytes = max_body_bytes
+        self.open: set[Exchange] = set()
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = Exchange(self.decider, self.max_body_bytes)
+        self.open.add(ex)
+        try:
+            async for req in request_iterator:
+                for resp in ex.handle(req):
+                    yield resp
+        finally:
+            self.open.discard(ex)
+            ex.abandon()
+
+
+async def set_health(health: HealthServicer, ready: bool) -> None:
+    await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in HEALTH_SERVICES[1:]:
+        await health.set(name, status)
+
+
+def build_server(decider: Decider, max_body_bytes: int) -> tuple[grpc.aio.Server, Processor, HealthServicer]:
+    server = grpc.aio.server()
+    processor = Processor(decider, max_body_bytes)
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return server, processor, health
