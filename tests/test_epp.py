@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.fixtures_epp import error_of, need_epp
-from tests.fixtures_router import poll, sim_stats
+from tests.fixtures_router import poll, sim_stats, wait_stats
 
 pytestmark = [need_epp, pytest.mark.timeout(60)]
 
@@ -36,3 +36,91 @@ async def test_sdk_not_streamed_reaches_the_picked_backend(sim_factory, epp_fact
     assert (await sim_stats(spec.url))["completed_total"] == 1
     assert (await sim_stats(base.url))["requests_total"] == 0
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+async def test_sdk_streamed_reaches_the_picked_backend_and_the_lease_ends(sim_factory, epp_factory):
+    spec, base, stack = await _two(sim_factory, epp_factory)
+    async with _client(stack) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            **CHAT, stream=True, stream_options={"include_usage": True})
+        assert raw.headers["x-router-backend"] == spec.url
+        text, usage = "", None
+        async for chunk in raw.parse():
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            usage = chunk.usage or usage
+    assert text and usage is not None and usage.completion_tokens > 0
+    assert (await sim_stats(spec.url))["completed_total"] == 1
+    assert (await sim_stats(base.url))["requests_total"] == 0
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+async def test_pin_header_picks_the_pool(sim_factory, epp_factory):
+    spec, base, stack = await _two(sim_factory, epp_factory)
+    async with _client(stack) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            **CHAT, extra_headers={"X-Router-Pool": "baseline"})
+        assert raw.headers["x-router-backend"] == base.url
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(**CHAT, extra_headers={"X-Router-Pool": "fastest"})
+    assert bad.value.body["code"] == "invalid_pool"
+    assert (await sim_stats(base.url))["completed_total"] == 1
+    assert (await sim_stats(spec.url))["requests_total"] == 0
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
+async def test_unparsable_body_is_an_openai_400_and_reaches_no_backend(sim_factory, epp_factory, body):
+    spec, base, stack = await _two(sim_factory, epp_factory)
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", data=body,
+                                                    headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400, await r.text()
+        assert r.content_type == "application/json"
+        err = error_of(await r.text())
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    assert "x-gateway-destination-endpoint" not in r.headers
+    for url in (spec.url, base.url):
+        assert (await sim_stats(url))["requests_total"] == 0
+    assert not any(stack.inflight().values())
+
+
+async def test_nothing_ready_is_a_503(epp_factory, unused_tcp_port):
+    stack = await epp_factory(baseline=[f"http://127.0.0.1:{unused_tcp_port}"])
+    async with _client(stack) as client:
+        with pytest.raises(openai.InternalServerError) as err:
+            await client.chat.completions.create(**CHAT)
+    assert err.value.status_code == 503
+    assert err.value.body["code"] == "no_healthy_backend"
+
+
+async def test_client_leaving_mid_stream_ends_the_lease(sim_factory, epp_factory):
+    # slow enough that the stream is still running when the client leaves
+    spec = await sim_factory("eagle3-tp8", speedup=1.0)
+    stack = await epp_factory(speculative=[spec.url])
+    body = {**CHAT, "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(stack.url + "/v1/chat/completions", json=body)
+        assert r.status == 200
+        first = await r.content.readany()
+        assert first.startswith(b"data:")
+        assert stack.inflight()[spec.url] == 1
+        r.close()  # the client goes away mid-stream
+    await poll(lambda: stack.inflight()[spec.url] == 0, 10, stack.inflight)
+    await poll(lambda: not stack.epp.processor.open, 5)
+    # Envoy reset the upstream stream too: the backend aborted the request
+    await wait_stats(spec.url, lambda st: st["aborted_total"] == 1 and st["running"] == 0)
+
+
+async def test_health_services_answer(epp_factory, sim_factory):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spec = await sim_factory("eagle3-tp8")
+    stack = await epp_factory(speculative=[spec.url], envoy=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            got = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

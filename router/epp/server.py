@@ -105,7 +105,8 @@ class Exchange:
             subset = _metadata_value(req, SUBSET_NAMESPACE, SUBSET)
             self.subset = subset if isinstance(subset, list) else None
             if req.request_headers.end_of_stream:
-                return self._decide(None, [])
+                # A POST without a body is an empty body (a 400); a GET has none to read.
+                return self._decide(b"" if _header(headers, ":method") == "POST" else None, [])
             return []  # the headers' answer waits for the body: the pick needs the prompt
         if kind == "request_body":
             self.body += req.request_body.body
@@ -139,7 +140,7 @@ class Exchange:
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                 header_mutation=_set_headers([(DESTINATION, value)]))),
             dynamic_metadata=meta)]
-        if body is not None:
+        if body:
             out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                     body=body, end_of_stream=not after))))))
