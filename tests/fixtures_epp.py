@@ -57,16 +57,25 @@ class EppStack:
         return {b.url: b.inflight for b in self.epp.pools.backends}
 
 
-async def _read_file(path: Path, proc: subprocess.Popen, within: float) -> str:
+def _admin_address(path: Path) -> str | None:
+    text = path.read_text().strip() if path.exists() else ""
+    return text or None
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
+async def _wait_admin(path: Path, proc: subprocess.Popen, log: Path, within: float) -> str:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    while not (path.exists() and path.read_text().strip()):
+    while (admin := _admin_address(path)) is None:
         if proc.poll() is not None:
-            raise RuntimeError(f"envoy exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"envoy exited with {proc.returncode}: {_tail(log)}")
         if loop.time() > deadline:
             raise RuntimeError(f"envoy wrote no admin address within {within:g} s")
         await asyncio.sleep(0.05)
-    return path.read_text().strip()
+    return admin
 
 
 async def _listener_port(admin: str, within: float) -> int:
@@ -85,18 +94,24 @@ async def _listener_port(admin: str, within: float) -> int:
             await asyncio.sleep(0.05)
 
 
-async def start_envoy(tmp: Path, epp_port: int) -> tuple[subprocess.Popen, str, int]:
-    """Envoy on port 0 with deploy/envoy/envoy.yaml; returns the process, its admin address and listener port."""
+def spawn_envoy(tmp: Path, epp_port: int) -> subprocess.Popen:
+    """Envoy on port 0 with deploy/envoy/envoy.yaml filled in; its admin address goes to envoy-admin.txt."""
     config = tmp / "envoy.yaml"
     config.write_text(Template(ENVOY_TEMPLATE.read_text()).substitute(
         LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port))
-    admin_file = tmp / "envoy-admin.txt"
     # --disable-hot-restart: several Envoys (parallel tests) on one machine share no shared-memory region.
-    proc = subprocess.Popen([str(envoy_binary()), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
-                             "-l", "warning", "--admin-address-path", str(admin_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(tmp / "envoy.log", "w") as log:
+        return subprocess.Popen([str(envoy_binary()), "-c", str(config), "--disable-hot-restart",
+                                 "--concurrency", "1", "-l", "warning",
+                                 "--admin-address-path", str(tmp / "envoy-admin.txt")],
+                                stdout=subprocess.DEVNULL, stderr=log)
+
+
+async def start_envoy(tmp: Path, epp_port: int) -> tuple[subprocess.Popen, str, int]:
+    """Envoy started and listening; returns the process, its admin address and its listener port."""
+    proc = spawn_envoy(tmp, epp_port)
     try:
-        admin = await _read_file(admin_file, proc, ENVOY_START_S)
+        admin = await _wait_admin(tmp / "envoy-admin.txt", proc, tmp / "envoy.log", ENVOY_START_S)
         port = await _listener_port(admin, ENVOY_START_S)
     except BaseException:
         proc.kill()
@@ -142,7 +157,6 @@ async def epp_factory(tmp_path, caplog):
             except subprocess.TimeoutExpired:
                 stack.envoy.kill()
                 stack.envoy.wait(timeout=10)
-            stack.envoy.stderr.close()
         await stack.epp.stop()
     below = [r.getMessage() for r in caplog.records if r.name == "router.pools" and "below 0" in r.getMessage()]
     assert not below, below

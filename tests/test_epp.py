@@ -124,3 +124,36 @@ async def test_health_services_answer(epp_factory, sim_factory):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cli_epp_prints_its_port_and_drains_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "router", "epp", "--baseline", "http://127.0.0.1:1",
+                             "--epp-port", "0", "--drain-timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        assert int(line.rsplit(":", 1)[1]) > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_cli_epp_bad_flag_is_one_line_exit_2():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "router", "epp", "--epp-port", "99999"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spec-router: error:"), res.stderr
