@@ -157,3 +157,18 @@ def test_cli_epp_bad_flag_is_one_line_exit_2():
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spec-router: error:"), res.stderr
+
+
+async def test_stream_without_usage_asked_reports_usage_to_the_pools_not_the_client(sim_factory, epp_factory):
+    spec, base, stack = await _two(sim_factory, epp_factory)
+    seen = []
+    report_done = stack.epp.pools.report_done
+    stack.epp.pools.report_done = lambda b, obs, placement=None: (seen.append(obs), report_done(b, obs, placement))
+    async with _client(stack) as client:
+        stream = await client.chat.completions.create(**CHAT, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert chunks and all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (obs,) = seen
+    assert obs.ok and obs.url == spec.url and obs.ttft_s is not None
+    assert obs.completion_tokens and obs.completion_tokens > 0 and obs.prompt_tokens

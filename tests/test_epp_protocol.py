@@ -21,7 +21,10 @@ if EPP_SKIP is None:
 
     from router.epp.decide import endpoint_of
 
-BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}).encode()
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+BODY = json.dumps({**CHAT, "stream_options": {"include_usage": True}}).encode()
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
+
 
 
 def _headers(pairs: dict[str, str], end: bool = False, subset: list[str] | None = None):
@@ -140,9 +143,7 @@ async def test_response_stream_ends_the_lease_once_and_served_moves_it(sim_facto
                     for h in resp.response_headers.response.header_mutation.set_headers}
         assert mutation["X-Router-Backend"] == urls[second]
         assert stack.inflight()[urls[first]] == 0 and stack.inflight()[urls[second]] == 1
-        chunks = [b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
-                  b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n',
-                  b"data: [DONE]\n\n"]
+        chunks = [b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', USAGE, b"data: [DONE]\n\n"]
         for i, chunk in enumerate(chunks):
             await c.send(_response_body(chunk, end=i == len(chunks) - 1))
             (echo,) = await c.read(1)
@@ -168,3 +169,29 @@ async def test_reset_before_the_answer_ends_the_lease(sim_factory, epp_factory):
         c.call.cancel()  # Envoy resets the stream: the client left before any answer
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
     await poll(lambda: not stack.epp.processor.open, 5)
+
+
+async def test_usage_asked_for_by_the_picker_is_read_and_kept_from_the_client(sim_factory, epp_factory):
+    eps, stack = await _three(sim_factory, epp_factory)
+    bare = json.dumps(CHAT).encode()  # a stream without stream_options
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as ch:
+        c = Call(ch)
+        await c.send(_headers(REQUEST), _body(bare))
+        head, body = await c.read(2)
+        sent = body.request_body.response.body_mutation.streamed_response.body
+        assert json.loads(sent) == {**CHAT, "stream_options": {"include_usage": True}}
+        mutation = {h.header.key: h.header.raw_value.decode()
+                    for h in head.request_headers.response.header_mutation.set_headers}
+        assert mutation["content-length"] == str(len(sent))
+        await c.send(_response_headers())
+        await c.read(1)
+        # an event split across chunks goes on whole; the usage event does not go on
+        token = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+        out = b""
+        for data, end in ((token[:10], False), (token[10:] + USAGE, False), (b"data: [DONE]\n\n", True)):
+            await c.send(_response_body(data, end))
+            (echo,) = await c.read(1)
+            out += echo.response_body.response.body_mutation.streamed_response.body
+        assert out == token + b"data: [DONE]\n\n"
+        await c.call.done_writing()
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)

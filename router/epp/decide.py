@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.body import parse_head
+from router.body import Head, parse_head
 from router.errors import BadRequest, NoHealthyBackend, RouterError
 from router.exchange import POOL_HEADER
 from router.health import summary
@@ -38,11 +38,13 @@ class Request:
 class Pick:
     """One request's picked endpoints and the lease on the first; end() ends the lease exactly once."""
 
-    __slots__ = ("pools", "lease", "endpoints", "placement", "inflight_at_start", "t0", "ttft", "chunks",
+    __slots__ = ("pools", "lease", "endpoints", "placement", "head", "inflight_at_start", "t0", "ttft", "chunks",
                  "data_events", "usage", "_ended")
 
-    def __init__(self, pools: Pools, lease: Lease, endpoints: list[str], placement=None) -> None:
+    def __init__(self, pools: Pools, lease: Lease, endpoints: list[str], placement=None,
+                 head: Head | None = None) -> None:
         self.pools = pools
+        self.head = head  # the body's stream keys (None: no body)
         self.lease = lease
         self.endpoints = endpoints
         self.placement = placement  # router.affinity.Placement, None when prefix routing is off
@@ -137,7 +139,7 @@ class Decider:
         """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready)."""
         try:
             pinned = pinned_pool(req.pinned)
-            prompt = None
+            prompt = head = None
             if req.body is not None:
                 head = parse_head(req.body)
                 if self.pools.affinity is not None:
@@ -167,4 +169,4 @@ class Decider:
                        if b is not first and b.routable),
                       key=lambda b: (b.pool != first.pool, b.load_estimate))
         endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
-        return Pick(pools, lease, endpoints, placement)
+        return Pick(pools, lease, endpoints, placement, head)

@@ -15,6 +15,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from router.body import with_usage
 from router.epp.decide import Decider, Pick, Request
 from router.errors import PayloadTooLarge, RouterError
 from router.exchange import BACKEND_HEADER, POOL_HEADER
@@ -93,6 +94,7 @@ class Exchange:
         self.pick: Pick | None = None
         self.status = 0
         self.sse = False
+        self.strip = False  # the usage chunk was asked for by the picker, not the client: it goes no further
         self.done = False  # a stream's [DONE] came
         self.tail = b""  # an SSE event not complete yet
         self.answer = bytearray()  # an answer not streamed, up to USAGE_SCAN_BYTES, for its usage
@@ -133,12 +135,18 @@ class Exchange:
             return [immediate(got)]
         self.pick = got
         value = ",".join(got.endpoints)
+        set_headers = [(DESTINATION, value)]
+        head = got.head
+        if body and head is not None and head.streamed and not head.wants_usage:
+            # The usage chunk tells the tokens the lease ran for (as in serve); the client still gets none.
+            body, self.strip = with_usage(body, head), True
+            set_headers.append(("content-length", str(len(body))))
         # The same value in the header and the metadata, as the protocol requires.
         meta = struct_pb2.Struct()
         meta.update({LB_NAMESPACE: {DESTINATION: value}})
         out = [pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=_set_headers([(DESTINATION, value)]))),
+                header_mutation=_set_headers(set_headers))),
             dynamic_metadata=meta)]
         if body:
             out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
@@ -167,15 +175,19 @@ class Exchange:
         data = body.body
         end = body.end_of_stream or body.end_of_stream_without_message
         pick = self.pick
-        if pick is not None and not pick.ended:
-            if self.sse:
-                events, self.tail = split_events(self.tail + data)
-                if events:
+        if pick is not None and self.sse:
+            # Whole events go on (a chunk's unfinished tail with the next one), so the usage chunk can be dropped.
+            events, self.tail = split_events(self.tail + data)
+            if end and self.tail:
+                events, self.tail = events + self.tail, b""
+            if events:
+                if not pick.ended:
                     pick.chunk(events.count(b"\ndata:") + events.startswith(b"data:"))
-                    scan_usage(events, pick.usage, strip=False)
-                    self.done = self.done or events.rstrip().endswith(b"data: [DONE]")
-            elif len(self.answer) + len(data) <= USAGE_SCAN_BYTES:
-                self.answer += data
+                events = scan_usage(events, pick.usage, strip=self.strip)
+                self.done = self.done or events.rstrip().endswith(b"data: [DONE]")
+            data = events
+        elif pick is not None and not pick.ended and len(self.answer) + len(data) <= USAGE_SCAN_BYTES:
+            self.answer += data
         if end:
             self._end()
         # Full duplex: every chunk goes on as it came.
