@@ -195,3 +195,27 @@ async def test_usage_asked_for_by_the_picker_is_read_and_kept_from_the_client(si
         assert out == token + b"data: [DONE]\n\n"
         await c.call.done_writing()
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+async def test_body_over_the_limit_is_a_413_and_takes_no_lease(sim_factory, epp_factory):
+    eps, stack = await _three(sim_factory, epp_factory, max_body_bytes=64)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as ch:
+        c = Call(ch)
+        await c.send(_headers(REQUEST), _body(b"x" * 40, end=False), _body(b"x" * 40, end=False))
+        (resp,) = await c.read(1)
+        assert resp.immediate_response.status.code == 413
+        assert json.loads(resp.immediate_response.body)["error"]["type"]
+        c.call.cancel()
+    assert not any(stack.inflight().values())
+
+
+async def test_drain_ends_the_leases_of_open_streams(sim_factory, epp_factory):
+    eps, stack = await _three(sim_factory, epp_factory, drain_timeout=0.5)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as ch:
+        c = Call(ch)
+        await c.send(_headers(REQUEST), _body(BODY))
+        await c.read(2)
+        assert sum(stack.inflight().values()) == 1
+        await stack.epp.stop()  # SIGTERM's drain: the open stream is cut after drain_timeout
+    assert not any(stack.inflight().values())
+    assert not stack.epp.processor.open
