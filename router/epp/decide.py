@@ -10,7 +10,7 @@ from router.body import Head, parse_head
 from router.errors import BadRequest, NoHealthyBackend, RouterError
 from router.exchange import POOL_HEADER
 from router.health import summary
-from router.observe import Observation
+from router.observe import OK, Attempt, Observation
 from router.policy import POOLS
 from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
@@ -78,6 +78,11 @@ class Pick:
         self.lease.release()
         self.lease = b.lease()
         self.inflight_at_start = b.inflight
+
+    def answered(self, status: int) -> None:
+        """The response's status: a 5xx counts towards the backend's ejection (outlier detection), as in serve."""
+        if not self._ended:
+            self.pools.report_attempt(self.lease.backend, Attempt(OK, status))
 
     def sent(self) -> None:
         """The request went to the backend without a stream to watch: it runs from now."""

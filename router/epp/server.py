@@ -33,7 +33,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS = "upstream.address"
 HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
-# An answer not streamed is kept this far to read its usage; a longer one goes unread.
+# An answer not streamed is kept this far to read its usage (a longer one goes unread); and an SSE event held
+# back until its end comes, at most this long.
 USAGE_SCAN_BYTES = 1 << 20
 
 
@@ -163,6 +164,7 @@ class Exchange:
             served = _served(req)
             if served:
                 self.pick.served(served)
+            self.pick.answered(self.status)
             mutation = _set_headers([(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)])
             if not self.sse:
                 self.pick.sent()
@@ -178,7 +180,7 @@ class Exchange:
         if pick is not None and self.sse:
             # Whole events go on (a chunk's unfinished tail with the next one), so the usage chunk can be dropped.
             events, self.tail = split_events(self.tail + data)
-            if end and self.tail:
+            if end or len(self.tail) > USAGE_SCAN_BYTES:  # the last bytes, or no event end in sight: on as is
                 events, self.tail = events + self.tail, b""
             if events:
                 if not pick.ended:
@@ -190,7 +192,7 @@ class Exchange:
             self.answer += data
         if end:
             self._end()
-        # Full duplex: every chunk goes on as it came.
+        # Full duplex: each chunk is answered at once (a stream's with its whole events).
         return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=data, end_of_stream=end)))))
