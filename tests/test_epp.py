@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.fixtures_epp import error_of, need_epp
-from tests.fixtures_router import poll, sim_stats, wait_stats
+from tests.fixtures_router import poll, set_faults, sim_stats, wait_stats
 
 pytestmark = [need_epp, pytest.mark.timeout(60)]
 
@@ -172,3 +172,21 @@ async def test_stream_without_usage_asked_reports_usage_to_the_pools_not_the_cli
     (obs,) = seen
     assert obs.ok and obs.url == spec.url and obs.ttft_s is not None
     assert obs.completion_tokens and obs.completion_tokens > 0 and obs.prompt_tokens
+
+
+async def test_backend_answering_5xx_is_ejected_and_traffic_moves(sim_factory, epp_factory):
+    a, b = await sim_factory("eagle3-tp8"), await sim_factory("eagle3-tp8")
+    stack = await epp_factory(speculative=[a.url, b.url], eject_consecutive_errors=2, eject_base_seconds=30)
+    await set_faults(a.url, error_rate=1.0)
+    served = []
+    async with _client(stack) as client:
+        for _ in range(6):
+            try:
+                raw = await client.chat.completions.with_raw_response.create(**CHAT)
+                served.append(raw.headers["x-router-backend"])
+            except openai.InternalServerError as err:
+                assert err.status_code == 500
+                served.append("500")
+    # at most two 500s before the ejection; then every request goes to the healthy backend
+    assert served.count("500") <= 2 and served[-3:] == [b.url] * 3, served
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
