@@ -122,7 +122,8 @@ async def start_envoy(tmp: Path, epp_port: int) -> tuple[subprocess.Popen, str, 
 
 @pytest.fixture
 async def epp_factory(tmp_path, caplog):
-    """`await epp_factory(speculative=[url], baseline=[url], envoy=True, wait_ready=True, **settings)` -> EppStack.
+    """`await epp_factory(speculative=[url], baseline=[url], envoy=True, wait_ready=True, resolver=None,
+    **settings)` -> EppStack (`resolver`: router.discovery.Resolver for discovery="dns").
     Teardown stops Envoy and the picker and fails the test if an in-flight count went below 0."""
     if EPP_SKIP is not None:
         pytest.skip(EPP_SKIP)
@@ -130,11 +131,11 @@ async def epp_factory(tmp_path, caplog):
 
     stacks: list[EppStack] = []
 
-    async def make(speculative=(), baseline=(), *, envoy: bool = True, wait_ready: bool = True,
+    async def make(speculative=(), baseline=(), *, envoy: bool = True, wait_ready: bool = True, resolver=None,
                    **settings) -> EppStack:
         values = {**TEST_DEFAULTS, "host": "127.0.0.1", "epp_port": 0, **settings,
                   "speculative": ",".join(speculative), "baseline": ",".join(baseline)}
-        epp = Epp(load_settings(None, values, environ={}))
+        epp = Epp(load_settings(None, values, environ={}), resolver=resolver)
         port = await epp.start()
         stack = EppStack(url="", epp_port=port, epp=epp, envoy=None, admin=None)
         stacks.append(stack)

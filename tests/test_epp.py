@@ -190,3 +190,18 @@ async def test_backend_answering_5xx_is_ejected_and_traffic_moves(sim_factory, e
     # at most two 500s before the ejection; then every request goes to the healthy backend
     assert served.count("500") <= 2 and served[-3:] == [b.url] * 3, served
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+async def test_backends_from_dns_discovery_as_in_serve(sim_factory, epp_factory):
+    sim = await sim_factory("baseline-tp8")
+    port = int(sim.url.rsplit(":", 1)[1])
+
+    async def resolver(host: str, port_: int) -> list[tuple[str, int]]:
+        assert host == "sims.example"
+        return [("127.0.0.1", port)]
+
+    stack = await epp_factory(baseline=[f"http://sims.example:{port}"], discovery="dns", resolver=resolver)
+    assert list(stack.inflight()) == [sim.url]
+    async with _client(stack) as client:
+        raw = await client.chat.completions.with_raw_response.create(**CHAT)
+    assert raw.headers["x-router-backend"] == sim.url

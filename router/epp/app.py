@@ -9,13 +9,13 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from router.app import make_affinity, make_policy
-from router.discovery import static_entries
+from router.discovery import Discovery, Resolver, static_entries
 from router.epp.decide import Decider
 from router.epp.server import Processor, build_server, set_health
 from router.health import HealthChecker
 from router.learner import Learner
 from router.metrics import Metrics
-from router.pools import Pools
+from router.pools import Backend, Pools
 from router.settings import Settings
 
 log = logging.getLogger("router.epp")
@@ -30,9 +30,11 @@ def build_pools(settings: Settings) -> Pools:
 
 
 class Epp:
-    """`await start()` binds host:epp_port and returns the port; `await stop()` drains for drain_timeout."""
+    """`await start()` binds host:epp_port and returns the port; `await stop()` drains for drain_timeout.
+    `resolver` replaces the system DNS resolver for `discovery: dns` (tests)."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.settings = settings
         self.pools = build_pools(settings)
         self.metrics = Metrics(registry if registry is not None else CollectorRegistry())
@@ -42,6 +44,8 @@ class Epp:
         self.processor: Processor | None = None
         self.health_checker = HealthChecker(self.pools, settings, self.metrics)
         self.learner = Learner(self.pools)
+        self.discovery = (Discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
+                          if settings.discovery == "dns" else None)
         self._ready_task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -53,10 +57,19 @@ class Epp:
             raise OSError(f"cannot listen on {s.host}:{s.epp_port}")
         await set_health(self.health, ready=False)
         await self.server.start()
+        if self.discovery is not None:
+            # The first answer before the first health round, so that round already probes what it found.
+            await self.discovery.refresh()
+            self.discovery.start()
         self.health_checker.start()
         self.learner.start()
         self._ready_task = asyncio.create_task(self._ready(), name="epp-ready")
         return port
+
+    async def _probe_new(self, b: Backend) -> None:
+        # A newcomer carries no traffic until a probe passes: probe it now rather than at the next round.
+        if self.health_checker.client is not None:
+            await self.health_checker.probe(b)
 
     async def _ready(self) -> None:
         # Ready once every backend was probed once: the picker's view of the pools is synced then.
@@ -72,5 +85,7 @@ class Epp:
         await server.stop(grace=self.settings.drain_timeout)
         if self._ready_task is not None:
             self._ready_task.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.learner.stop()
         await self.health_checker.stop()
