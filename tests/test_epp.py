@@ -205,3 +205,13 @@ async def test_backends_from_dns_discovery_as_in_serve(sim_factory, epp_factory)
     async with _client(stack) as client:
         raw = await client.chat.completions.with_raw_response.create(**CHAT)
     assert raw.headers["x-router-backend"] == sim.url
+
+
+async def test_client_cannot_steer_with_the_destination_header(sim_factory, epp_factory):
+    spec, base, stack = await _two(sim_factory, epp_factory)
+    base_endpoint = base.url.removeprefix("http://")
+    async with _client(stack) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            **CHAT, extra_headers={"x-gateway-destination-endpoint": base_endpoint})
+    assert raw.headers["x-router-backend"] == spec.url
+    assert (await sim_stats(base.url))["requests_total"] == 0
