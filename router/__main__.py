@@ -164,7 +164,8 @@ async def epp(settings: Settings) -> int:
     try:
         port = await picker.start()
     except (OSError, RuntimeError) as exc:
-        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.epp_port}: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.epp_port}: "
+              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -148,15 +148,23 @@ def test_cli_epp_prints_its_port_and_drains_on_sigterm(tmp_path):
         proc.stderr.close()
 
 
-def test_cli_epp_bad_flag_is_one_line_exit_2():
+@pytest.mark.parametrize("port_in_use", [False, True])
+def test_cli_epp_bad_flag_or_port_in_use_is_one_line_exit_2(port_in_use):
+    import socket
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "router", "epp", "--epp-port", "99999"],
-                         capture_output=True, text=True, timeout=30)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1] if port_in_use else 99999
+        res = subprocess.run([sys.executable, "-m", "router", "epp", "--epp-port", str(port),
+                              "--baseline", "http://127.0.0.1:1"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spec-router: error:"), res.stderr
+    if port_in_use:
+        assert f"cannot listen on 127.0.0.1:{port}" in lines[0]
 
 
 async def test_stream_without_usage_asked_reports_usage_to_the_pools_not_the_client(sim_factory, epp_factory):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -29,6 +30,15 @@ def build_pools(settings: Settings) -> Pools:
                  keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
 
 
+def _check_free(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE, ...) when host:port cannot be bound: a clear error before gRPC's own log lines."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+
+
 class Epp:
     """`await start()` binds host:epp_port and returns the port; `await stop()` drains for drain_timeout.
     `resolver` replaces the system DNS resolver for `discovery: dns` (tests)."""
@@ -51,6 +61,7 @@ class Epp:
     async def start(self) -> int:
         s = self.settings
         self.server, self.processor, self.health = build_server(self.decider, s.max_body_bytes)
+        _check_free(s.host, s.epp_port)
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = self.server.add_insecure_port(f"{host}:{s.epp_port}")
         if port == 0:

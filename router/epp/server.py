@@ -239,7 +239,8 @@ async def set_health(health: HealthServicer, ready: bool) -> None:
 
 
 def build_server(decider: Decider, max_body_bytes: int) -> tuple[grpc.aio.Server, Processor, HealthServicer]:
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second picker on the same port must fail to start, not share the port unnoticed.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     processor = Processor(decider, max_body_bytes)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = HealthServicer()
