@@ -137,9 +137,6 @@ class Decider:
         self.block_bytes = block_bytes
         self.endpoints = endpoints
 
-    def ready(self) -> bool:
-        return self.pools.any_healthy()
-
     def decide(self, req: Request) -> Pick | RouterError:
         """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready)."""
         try:
