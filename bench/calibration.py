@@ -120,7 +120,7 @@ def curve_setting(curve: Curve) -> str:
 def balanced_split(spec: Curve, base: Curve, c: int, n_spec: int = 1, n_base: int = 1) -> list[int]:
     """In-flight requests per instance (speculative instances first) when the router's balanced policy
     places `c` requests one at a time: each goes to the least-loaded instance of the pool whose
-    X(n+1)/(n+1) is higher, ties to speculative (router.policy.Balanced, on the same curves)."""
+    X(n+1)/(n+1) is higher, ties to speculative (router.policies.Balanced, on the same curves)."""
     sp, bp = curve_points(spec), curve_points(base)
     counts = [0] * (n_spec + n_base)
     for _ in range(c):

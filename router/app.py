@@ -8,18 +8,16 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router import exchange, exporter, handlers, introspect, policy
+from router import exchange, exporter, handlers, introspect
 from router.accept import Acceptor, listen_socket
-from router.adaptive import Adaptive
 from router.affinity import Affinity
-from router.curves import fit_token_time
 from router.discovery import Discovery, Resolver, static_entries
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.learner import Learner
 from router.loads import LoadPoller
 from router.metrics import Metrics
-from router.policy import Policy
+from router.policies import make_policy
 from router.pools import Backend, Pools
 from router.settings import Settings
 from router.state import STATE, RouterState
@@ -71,24 +69,11 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
 
 
 def make_affinity(settings: Settings) -> Affinity | None:
-    """Prefix affinity over every policy's decision (router.affinity), or None when prefix_routing is off."""
+    """The prefix scorer of every decision (router.affinity), or None when prefix_routing is off."""
     if not settings.prefix_routing:
         return None
     return Affinity(block_bytes=settings.prefix_block_bytes, capacity_tokens=settings.prefix_capacity_tokens,
                     cross_pool=settings.prefix_cross_pool, max_running=settings.adaptive_max_running)
-
-
-def make_policy(settings: Settings) -> Policy:
-    """The routing policy object the settings name, built once."""
-    if settings.policy != "adaptive":
-        return policy.build(settings.policy, threshold=settings.threshold, hysteresis=settings.hysteresis,
-                            curves=settings.curves())
-    # Curves, when given, are priors: the model starts from them and then follows what it measures.
-    priors = {pool: fit_token_time(points) for pool, points in
-              (("speculative", settings.speculative_curve), ("baseline", settings.baseline_curve)) if points}
-    return Adaptive(objective=settings.objective, forgetting=settings.adaptive_forgetting,
-                    explore=settings.adaptive_explore, deadband=settings.adaptive_deadband,
-                    max_running=settings.adaptive_max_running, priors=priors, defer_fits=True)
 
 
 def _add(app: web.Application, method: str, path: str, handler) -> None:
@@ -126,7 +111,7 @@ async def _drain_deadline(app: web.Application) -> None:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     st = app[STATE]
-    st.client = make_client(st.settings)
+    st.client = make_client(st.settings, st.limits)
     yield
     # Runs after the drain: no handler uses the client any more.
     st.client.close()

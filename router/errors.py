@@ -95,46 +95,63 @@ class Failure(StrEnum):
 PROBE_OK, PROBE_FAILED = "ok", "failed"
 
 
+# router_upstream_errors_total's `kind` label of each failure: its name, but for refusals and disconnects the older
+# names `connect` and `disconnect`, kept for dashboards. The one other kind: a failure the router could not
+# classify (UNCLASSIFIED), and a retried 502/503 answer (status_kind).
+ERROR_KINDS: dict[Failure, str] = {**{f: f.value for f in Failure},
+                                   Failure.REFUSED: "connect", Failure.DISCONNECTED: "disconnect"}
+UNCLASSIFIED = "error"
+
+
+def status_kind(status: int) -> str:
+    """The kind label of an answer retried for its status (502, 503)."""
+    return f"status_{status}"
+
+
 class UpstreamError(RouterError):
     """A backend failed at transport level. `failure`: what the attempt's outcome was (Failure); `kind`: its
-    router_upstream_errors_total label, a closed set (for refusals and disconnects the older names `connect`
-    and `disconnect`, kept for dashboards)."""
+    router_upstream_errors_total label (ERROR_KINDS; UNCLASSIFIED for this class itself, which the learning
+    seam sees as a disconnect)."""
 
     status, type, code = 502, "upstream_error", "bad_gateway"
-    kind = "error"
     failure = Failure.DISCONNECTED
+    classified = False
     retryable = False
+
+    @property
+    def kind(self) -> str:
+        return ERROR_KINDS[self.failure] if self.classified else UNCLASSIFIED
 
 
 class UpstreamConnectError(UpstreamError):
-    code, kind, failure, retryable = "backend_unreachable", "connect", Failure.REFUSED, True
+    code, failure, classified, retryable = "backend_unreachable", Failure.REFUSED, True, True
 
 
 class UpstreamLocalError(UpstreamError):
     """The router itself could not open the connection (out of file descriptors or ports, DNS): not the
     backend's fault, so it never counts against the backend."""
 
-    status, type, code, kind, failure, retryable = (503, "service_unavailable", "router_local_error", "local",
-                                                     Failure.LOCAL, True)
+    status, type, code, failure, classified, retryable = (503, "service_unavailable", "router_local_error",
+                                                          Failure.LOCAL, True, True)
 
 
 class UpstreamDisconnected(UpstreamError):
-    code, kind, failure = "backend_disconnected", "disconnect", Failure.DISCONNECTED
+    code, failure, classified = "backend_disconnected", Failure.DISCONNECTED, True
 
 
 class UpstreamTimeout(UpstreamError):
     status, type, code = 504, "timeout_error", "upstream_timeout"
+    classified = True
 
-    def __init__(self, message: str, *, kind: str) -> None:
+    def __init__(self, message: str, *, failure: Failure) -> None:
         super().__init__(message)
-        self.failure = Failure(kind)  # CONNECT_TIMEOUT | FIRST_BYTE_TIMEOUT | IDLE_TIMEOUT
-        self.kind = self.failure.value
+        self.failure = failure  # CONNECT_TIMEOUT | FIRST_BYTE_TIMEOUT | IDLE_TIMEOUT
 
     @classmethod
     def silent(cls, backend: str, failure: Failure) -> UpstreamTimeout:
         """The backend sent no first byte (FIRST_BYTE_TIMEOUT) or no next chunk (IDLE_TIMEOUT) within its deadline."""
         what = "next chunk" if failure == Failure.IDLE_TIMEOUT else "first byte"
-        return cls(f"backend {backend} sent no {what} in time", kind=failure)
+        return cls(f"backend {backend} sent no {what} in time", failure=failure)
 
 
 def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:

@@ -6,7 +6,7 @@ import time
 
 from aiohttp import hdrs, web
 
-from router import health, upstream
+from router import health
 from router.body import read_body, with_usage
 from router.errors import (
     BadRequest,
@@ -19,15 +19,15 @@ from router.errors import (
     UpstreamTimeout,
     error_response,
     sse_error_event,
+    status_kind,
 )
-from router.h1 import Response
 from router.observe import OK, Attempt, Observation
 from router.policy import POOLS, RETRY
 from router.pools import Backend, Lease
 from router.prefix import prompt_of
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
-from router.upstream import FIRST_BYTE, IDLE
+from router.upstream import FIRST_BYTE, IDLE, Reply
 from router.watchdog import FirstByteDeadline, Watchdog
 
 POOL_HEADER = "X-Router-Pool"
@@ -58,10 +58,12 @@ def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str
 
 
 class Exchange:
-    """One proxied request: owns its lease for its whole life and records its metrics once at the end."""
+    """One proxied request: owns its lease and the backend's answer for its whole life (both end once, in
+    end_upstream) and records its metrics once at the end (finish)."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "slot", "placement")
+                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "placement", "streamed",
+                 "finished")
 
     def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None) -> None:
         self.st = st
@@ -71,7 +73,7 @@ class Exchange:
         self.code = CLIENT_CLOSED
         self.t0 = time.monotonic()
         self.usage = Usage()
-        self.upstream: Response | None = None
+        self.upstream: Reply | None = None  # the answer being read; ended with the lease
         task = asyncio.current_task()  # the handler's: an exchange lives inside it
         assert task is not None
         self.task = task
@@ -83,7 +85,8 @@ class Exchange:
         # self.first: a stream's first chunk, set by proxy() and taken by stream() (nothing reads it before)
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
-        self.slot: str | None = None  # the backend whose connection slot this exchange holds
+        self.streamed = False  # the client asked for a stream (start() sets it)
+        self.finished = False  # finish() ran: the metrics went out
         st.exchanges.add(self)
 
     def cut_now(self) -> None:
@@ -120,37 +123,35 @@ class Exchange:
         return err
 
     async def start(self, path: str, body: bytes, stream: bool
-                    ) -> tuple[Response, bytes | None, web.Response | None]:
+                    ) -> tuple[Reply, bytes | None, web.Response | None]:
         """Send the request and wait for its first chunk (streams) or whole body; until a byte went to the client,
         a refused connection, a 502/503, or a backend closing the connection is retried on another backend."""
-        assert self.st.client is not None
+        client = self.st.client
+        assert client is not None
+        self.streamed = stream
         attempts = 0
         while True:
             b = self.lease.backend
-            await self.take_slot()
-            if not stream:
-                self.lease.start()  # no byte shows when it starts to run: counted as running from now
             try:
-                resp = await upstream.send(self.st.client, b.url, path, body,
-                                           upstream_headers(self.request, b.api_key))
+                resp = await client.open(b.url, path, body, upstream_headers(self.request, b.api_key), self.placed)
             except UpstreamError as err:
                 self.upstream_failed(err)
                 if not err.retryable or attempts >= self.st.settings.retries or not self._retry():
                     raise
                 attempts += 1
                 continue
+            self.upstream = resp
             self.st.pools.report_attempt(b, Attempt(OK, resp.status))
-            if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry(resp):
+            if resp.status in RETRY_STATUSES and attempts < self.st.settings.retries and self._retry():
                 m = self.st.metrics
-                m.child(m.upstream_errors, b.url, f"status_{resp.status}").inc()
+                m.child(m.upstream_errors, b.url, status_kind(resp.status)).inc()
                 attempts += 1
                 continue
-            self.upstream = resp
             sse = stream and resp.status == 200 and resp.content_type == "text/event-stream"
             try:
                 if sse:
                     # Wait for the first chunk before answering: until then a failure is a clean 504/502.
-                    first = await upstream.read_chunk(resp, b.url, FIRST_BYTE)
+                    first = await resp.read_chunk(FIRST_BYTE)
                     self.lease.prefilled()  # its prompt is prefilled: no longer queued ahead of others
                     return resp, first, None
                 return resp, None, await self.buffered(resp)
@@ -158,34 +159,28 @@ class Exchange:
                 self.upstream_failed(err)
                 # Headers came, but the client has received nothing yet: as safe to retry as a refusal.
                 if (not isinstance(err, UpstreamDisconnected) or attempts >= self.st.settings.retries
-                        or not self._retry(resp)):
+                        or not self._retry()):
                     raise
                 attempts += 1
 
-    async def take_slot(self) -> None:
-        """One of the backend's max_connections_per_backend places (router.upstream.Limits); a wait shows in the
-        metrics."""
-        url = self.lease.backend.url
-        waited = await self.st.limits.take(url)
+    def placed(self, waited: float | None) -> None:
+        """The backend's place under max_connections_per_backend is held (router.upstream.Client.open): a wait
+        shows in the metrics, and a request not streamed counts as running from now (no byte shows when it
+        starts)."""
         if waited is not None:
             m = self.st.metrics
             m.child(m.upstream_wait, self.pool).observe(waited)
-        self.slot = url
+        if not self.streamed:
+            self.lease.start()
 
-    def give_slot(self) -> None:
-        if self.slot is not None:
-            self.st.limits.give(self.slot)
-            self.slot = None
-
-    def _retry(self, resp: Response | None = None) -> bool:
+    def _retry(self) -> bool:
+        """Another backend takes the request: the failed attempt's answer and lease end (its failure was reported
+        as an attempt; nothing finished there)."""
         new = self.st.pools.acquire_retry(self.lease.backend, self.placement)
         if new is None:
             return False
-        if resp is not None:
-            resp.close()
-        self.upstream = None
-        self.give_slot()
-        self.lease.release()
+        self.end_reply()
+        self.lease.finish(None)
         self.lease = new
         self.inflight_at_start = new.backend.inflight
         m = self.st.metrics
@@ -193,8 +188,8 @@ class Exchange:
         m.child(m.retries, new.backend.pool).inc()
         return True
 
-    async def buffered(self, resp: Response) -> web.Response:
-        body = await upstream.read_body(resp, self.lease.backend.url)
+    async def buffered(self, resp: Reply) -> web.Response:
+        body = await resp.read_body()
         if resp.status == 200 and b'"usage"' in body:
             self.usage.take(usage_view(body))
         headers = self.headers()
@@ -202,7 +197,7 @@ class Exchange:
             headers[hdrs.CONTENT_TYPE] = resp.ctype
         return web.Response(status=resp.status, body=body, headers=headers)
 
-    async def stream(self, resp: Response, strip: bool) -> web.StreamResponse:
+    async def stream(self, resp: Reply, strip: bool) -> web.StreamResponse:
         """Forward complete SSE events as they arrive, from `self.first` on (the first chunk, read before any byte
         went out).
 
@@ -212,7 +207,6 @@ class Exchange:
         """
         m = self.st.metrics
         s = self.st.settings
-        url = self.lease.backend.url
         cap = s.write_buffer_bytes
         # Only a 200 with a text/event-stream Content-Type is streamed (start()), so both are known here.
         assert resp.ctype is not None
@@ -252,7 +246,7 @@ class Exchange:
                         await writer.drain()  # the client is that far behind: let the backend wait too
                 del events, chunk  # forwarded: an idle stream holds no bytes while it waits
                 try:
-                    chunk = await upstream.read_chunk(resp, url, IDLE)
+                    chunk = await resp.read_chunk(IDLE)
                 except UpstreamError as err:
                     # Headers went out already: tell the client in-band, then end the stream cleanly.
                     self.upstream_failed(err)
@@ -283,35 +277,42 @@ class Exchange:
         return out
 
     def end_upstream(self, complete: bool) -> None:
-        """The backend's part is over (answered, failed or abandoned): report it and release the lease, once."""
-        if self.lease.released:
+        """The backend's part is over (answered, failed, abandoned or cut): the lease ends with what was observed
+        and the answer is given back, once (a later call does nothing)."""
+        lease = self.lease
+        if lease.released:
             return
         if self.watchdog is not None:
             self.watchdog.upstream_done()
-        b = self.lease.backend
+        b = lease.backend
         # A stream is finished only by its [DONE]; a buffered answer (no watchdog) by its whole body.
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
         u = self.usage
         # What ran beside it, and its wait for a place, are read at its first token: a stream's only.
         streamed = self.ttft is not None
-        self.st.pools.report_done(b, Observation(
-            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=self.lease.beside if streamed else None,
-            waited_s=self.lease.waited if streamed else None),
-            self.placement)  # cached: None until a usage came
-        self.lease.release()
-        self.give_slot()
-        if self.upstream is not None:
-            # close(), not release(): an unfinished response must drop its connection so SGLang aborts.
-            if self.upstream.at_eof():
-                self.upstream.release()
-            else:
-                self.upstream.close()
+        try:
+            lease.finish(Observation(
+                b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
+                u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
+                u.prompt if u.seen else None, u.cached, data_events=self.data_events,
+                running_beside=lease.beside if streamed else None,
+                waited_s=lease.waited if streamed else None),  # cached: None until a usage came
+                self.st.pools, self.placement)
+        finally:
+            self.end_reply()
+
+    def end_reply(self) -> None:
+        """The answer's connection back for reuse when complete, else dropped (router.upstream.Reply.end)."""
+        reply, self.upstream = self.upstream, None
+        if reply is not None:
+            reply.end()
 
     def finish(self) -> None:
-        """Runs exactly once, in `finally`: release the lease if still held, record the outcome."""
+        """Runs in `finally`, once (a later call does nothing): end the lease and the answer if still held, record
+        the outcome."""
+        if self.finished:
+            return
+        self.finished = True
         self.st.exchanges.discard(self)
         if self.watchdog is not None:
             self.watchdog.stop()

@@ -5,13 +5,13 @@ import asyncio
 import logging
 
 from router.pools import Pools
-from router.speedmodel import FIT_STEP
 from router.tasks import cancel
+from router.tuning import DEFAULT
 
 log = logging.getLogger("router.learner")
 
-# Samples one step of learning goes over: one step of a speed model's refit (~0.1-0.5 ms; docs/BENCH.md, "s34").
-LEARN_STEP = FIT_STEP
+# Samples one step of learning goes over: one step of a speed model's refit (~0.1-0.5 ms).
+LEARN_STEP = DEFAULT.fit_step
 
 
 class Learner:

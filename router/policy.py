@@ -1,13 +1,15 @@
-"""Pure routing decisions: one small object per policy behind one interface; live backends in, a choice out; no I/O."""
+"""The pool policy interface (one small object per policy, router/policies/ and router.adaptive), the reasons a
+decision gives (metric label values), and the helpers the policies share; a snapshot in, a proposal out; no I/O."""
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from router.curves import CurvePoints, request_speed
-from router.observe import LoadFigures, Observation
+if TYPE_CHECKING:
+    from router.observe import LoadFigures, Observation
+
 
 SPECULATIVE = "speculative"
 BASELINE = "baseline"
@@ -25,11 +27,21 @@ FASTER = "faster_pool"
 GAIN = "marginal_gain"
 EXPLORE = "explore"
 ONLY = "only_pool"  # only one pool is configured: there was no choice between pools to explain
-_POOL_CHOICE = frozenset((BELOW, ABOVE, FAILOVER, FASTER, GAIN))  # reasons that explain a choice between pools
+POOL_CHOICE = frozenset((BELOW, ABOVE, FAILOVER, FASTER, GAIN))  # reasons that explain a choice between pools
+
+# Why the prefix scorer's instance (or pool) was chosen (router_prefix_decisions_total's reason label); the
+# prompt kinds with nothing to match are router.prefix's.
+AFFINITY = "prefix_affinity"  # an instance holding more of the prompt than the least loaded one won
+LOAD_OVERRIDE = "load_override"  # one held more of it, but its load cost more than the prefill it saves
+NO_MATCH = "no_match"  # no instance holds any of it: by load
+SINGLE = "single"  # one routable instance: nothing to choose
+POOL_KEPT = "pool_kept"  # the policy's pool lost to the pool holding the prefix: the re-prefill outweighed the gain
+POOL_MOVED = "pool_moved"  # the policy's pool won although the other held the prefix: the gain beat the re-prefill
 
 
 class BackendView(Protocol):
-    """What a policy reads of a backend (router.pools.Backend, or BackendLoad in tests), live, never copied."""
+    """What a policy reads of a backend: a decision's snapshot of it (router.core.snapshot.Endpoint), the live
+    router.pools.Backend (state()), or a BackendLoad (tests)."""
 
     url: str
     pool: str
@@ -63,7 +75,7 @@ class BackendLoad:
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """The backends a policy chooses from, grouped by pool once; health and load are read live from each."""
+    """The backends a policy chooses from, grouped by pool once."""
 
     backends: tuple[BackendView, ...]
     speculative: tuple[BackendView, ...]
@@ -164,121 +176,13 @@ def sole_pool(view: View, spec_up: bool, rng: random.Random, reason: str) -> Dec
 
 
 def decide(policy: Policy, view: View, pinned: str | None, rng: random.Random) -> Decision | None:
-    """Choose a backend for a new request; None when no backend at all is healthy. A pinned pool (the
-    X-Router-Pool header) wins over every policy."""
-    if pinned is not None:
-        return in_pool(view, pinned, PINNED, rng)
-    d = policy.decide(view, rng)
-    if d is not None and d.reason in _POOL_CHOICE and not view.pool(other(d.pool)):
-        # One configured pool: a "threshold" or "failover" reason would describe a choice that was never made.
-        return Decision(d.backend, ONLY)
-    return d
+    """Choose a backend for a new request (router.core.scheduler, no prefix); None when no backend at all is
+    healthy. A pinned pool (the X-Router-Pool header) wins over every policy."""
+    from router.core.scheduler import Scheduler
 
-
-class Spillover(Fixed):
-    """Speculate while the speculative pool holds fewer than `threshold` per healthy instance, else baseline."""
-
-    name = "spillover"
-
-    def __init__(self, threshold: int) -> None:
-        self.threshold = threshold
-
-    def decide(self, view: View, rng: random.Random) -> Decision | None:
-        spec = healthy(view.speculative)
-        # Below threshold per healthy instance: sum < threshold * n, so no instance ever exceeds it.
-        if spec and sum(b.load_estimate for b in spec) < self.threshold * len(spec):
-            return in_pool(view, SPECULATIVE, BELOW, rng)
-        if not spec and self.threshold > 0 and view.speculative:
-            return in_pool(view, BASELINE, FAILOVER, rng)  # would speculate, but that pool is down
-        return in_pool(view, BASELINE, ABOVE, rng)
-
-
-class Global(Fixed):
-    """One mode for the whole deployment: speculate while the total in flight is below `threshold`."""
-
-    name = "global"
-
-    def __init__(self, threshold: int, hysteresis: int = 0, speculating: bool = True) -> None:
-        self.threshold = threshold
-        self.hysteresis = hysteresis
-        self.speculating = speculating
-
-    def decide(self, view: View, rng: random.Random) -> Decision | None:
-        total = sum(b.load_estimate for b in view.backends)
-        if self.speculating:
-            self.speculating = total < self.threshold
-        else:
-            # Hysteresis: once above, come back only when clearly below, so the mode does not flap.
-            self.speculating = total < self.threshold - self.hysteresis
-        if self.speculating:
-            return in_pool(view, SPECULATIVE, BELOW, rng)
-        return in_pool(view, BASELINE, ABOVE, rng)
-
-
-class LeastInflight(Fixed):
-    """The least loaded healthy backend of either pool."""
-
-    name = "least-inflight"
-
-    def decide(self, view: View, rng: random.Random) -> Decision | None:
-        cands = healthy(view.backends)
-        return Decision(least(cands, rng), LEAST) if cands else None
-
-
-class RoundRobin(Fixed):
-    """Every healthy backend in turn."""
-
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self.cursor = 0
-
-    def decide(self, view: View, rng: random.Random) -> Decision | None:
-        cands = healthy(view.backends)
-        if not cands:
-            return None
-        b = cands[self.cursor % len(cands)]
-        self.cursor += 1
-        return Decision(b, ROUND_ROBIN)
-
-
-class Balanced(Fixed):
-    """Send the request to the pool whose least-loaded instance would serve it faster (ties: speculative),
-    on two measured curves of ONE instance each. Greedily equalising per-request speed follows the best
-    split as load grows, which no fixed threshold can."""
-
-    name = "balanced"
-
-    def __init__(self, curves: tuple[CurvePoints, CurvePoints]) -> None:
-        self.spec_curve, self.base_curve = curves
-
-    def decide(self, view: View, rng: random.Random) -> Decision | None:
-        spec, base = healthy(view.speculative), healthy(view.baseline)
-        if not spec or not base:
-            return sole_pool(view, bool(spec), rng, FASTER)
-        bs, bb = least(spec, rng), least(base, rng)
-        if request_speed(self.spec_curve, bs.load_estimate) >= request_speed(self.base_curve, bb.load_estimate):
-            return Decision(bs, FASTER)
-        return Decision(bb, FASTER)
-
-
-def build(name: str, *, threshold: int = 32, hysteresis: int = 0,
-          curves: tuple[CurvePoints, CurvePoints] | None = None) -> Policy:
-    """The policy object for a settings name; "adaptive" (router.adaptive, with its own settings) is built by
-    router.app.make_policy."""
-    if name == "spillover":
-        return Spillover(threshold)
-    if name == "global":
-        return Global(threshold, hysteresis)
-    if name == "least-inflight":
-        return LeastInflight()
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "balanced":
-        if curves is None:
-            raise ValueError("the balanced policy needs both throughput curves")
-        return Balanced(curves)
-    raise ValueError(f"unknown policy {name!r}")
+    sched = Scheduler(policy)
+    got = sched.decide(sched.snapshot(view.backends, pinned), rng)
+    return None if got is None else got.decision
 
 
 def retry_target(view: View, failed_url: str, failed_pool: str, rng: random.Random) -> BackendView | None:

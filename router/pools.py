@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from router import outlier
-from router.affinity import Affinity, Placement
-from router.curves import CurvePoints
+from router.affinity import Affinity
+from router.core.plugins import Placement
+from router.core.scheduler import Scheduler
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
-from router.policy import BackendLoad, Decision, Policy, View, build, decide, retry_target
+from router.policy import BackendLoad, Decision, Policy, View, retry_target
 from router.prefix import Prompt
 
 log = logging.getLogger("router.pools")
@@ -179,7 +180,8 @@ class Backend:
 
 
 class Lease:
-    """One request's hold on one backend; release() is idempotent so a double release cannot skew counts."""
+    """One request's hold on one backend. It ends once, by finish() (or release(), which is finish without an
+    observation); a second end does nothing, so counts cannot skew."""
 
     __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside", "waited")
 
@@ -221,7 +223,23 @@ class Lease:
             freed = self.backend.last_release
             self.waited = freed - self._t0 if freed > self._t0 else None
 
+    def finish(self, obs: Observation | None, pools: Pools | None = None,
+               placement: Placement | None = None) -> bool:
+        """End the lease with what was observed, whatever happened: the pools hear `obs` (Pools.report_done, with
+        the placement) while the lease still counts, then it is released, even if reporting failed. `obs` None:
+        nothing finished here (an attempt given up for a retry; its failure went through report_attempt).
+        Returns False, and does nothing, when the lease had ended already."""
+        if self._released:
+            return False
+        try:
+            if obs is not None and pools is not None:
+                pools.report_done(self.backend, obs, placement)
+        finally:
+            self.release()
+        return True
+
     def release(self) -> None:
+        """End the lease without an observation (finish(None)); once."""
         if not self._released:
             self._released = True
             if self.beside is not None:
@@ -232,10 +250,9 @@ class Lease:
 class Pools:
     """All backends of both pools plus the policy's remembered state; decisions and leases happen together."""
 
-    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: str | Policy,
-                 threshold: int = 0, hysteresis: int = 0, keys: dict[str, str | None] | None = None,
+    def __init__(self, speculative: Iterable[str], baseline: Iterable[str], *, policy: Policy,
+                 threshold: int = 0, keys: dict[str, str | None] | None = None,
                  rng: random.Random | None = None,
-                 curves: tuple[CurvePoints, CurvePoints] | None = None,
                  outlier_cfg: OutlierConfig | None = None, affinity: Affinity | None = None) -> None:
         keys = keys or {}
         self._keys = keys
@@ -246,18 +263,25 @@ class Pools:
                                         for u in speculative]
         self.backends += [Backend(u, "baseline", keys.get("baseline"), self.outlier_cfg) for u in baseline]
         self.by_url = {b.url: b for b in self.backends}
-        # Built once; policies read the live Backend objects through it, nothing is copied per request.
+        # The live backends grouped by pool (retries, /router/state); a decision reads its own snapshot instead.
         self.view = View.of(self.backends)
-        self.policy: Policy = (build(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
-                               if isinstance(policy, str) else policy)
-        self.threshold = threshold
+        self.threshold = threshold  # shown as router_threshold
         self.rng = rng or random.Random()
-        # Prefix affinity (router.affinity), applied to every policy's decision; None: off.
+        # Prefix affinity (router.affinity): the decision's prefix scorer; None: off.
         self.affinity = affinity
+        self.scheduler = Scheduler(policy, affinity)
         self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
         # Who runs what the policy's observe() left to learn(): router.learner's wake-up in a serving router;
         # None runs it at once, in report_done (a bench driving the policy directly, tests).
         self.learner: Callable[[], None] | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self.scheduler.policy = policy
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -272,15 +296,14 @@ class Pools:
 
     def place(self, pinned: str | None = None, prompt: Prompt | None = None
               ) -> tuple[Lease, Decision, Placement | None] | None:
-        """acquire(), with the prefix affinity applied to the policy's decision when on and the request has a
-        prompt: the one place where the prefix is weighed, whatever the policy."""
-        d = decide(self.policy, self.view, pinned, self.rng)
-        if d is None:
+        """acquire(), with the prompt weighed by the prefix scorer when prefix routing is on (router.core): one
+        snapshot, one decision, then the lease, with no await in between."""
+        sched = self.scheduler
+        got = sched.decide(sched.snapshot(self.backends, pinned, prompt), self.rng)
+        if got is None:
             return None
-        placement, tokens = None, 0
-        if self.affinity is not None and prompt is not None:
-            d, placement = self.affinity.place(d, self.view, prompt, self.rng)
-            tokens = self.affinity.sent(d.backend, placement)
+        d, placement = got.decision, got.placement
+        tokens = 0 if placement is None or self.affinity is None else self.affinity.sent(d.backend, placement)
         return d.backend.lease(tokens), d, placement
 
     def acquire_retry(self, failed: Backend, placement: Placement | None = None) -> Lease | None:
@@ -372,13 +395,15 @@ class Pools:
         else:
             self.learner()
         if self.affinity is not None:
+            self.affinity.figures.observe(obs, placement)
             self.affinity.observe(obs, placement, backend.generation)
 
     def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
         """Called with each /v1/loads answer of a backend (load_signal backend)."""
         self.policy.observe_loads(backend.url, backend.pool, figs)
         if self.affinity is not None:
-            self.affinity.observe_loads(backend.url, figs)
+            resized = self.affinity.figures.observe_loads(backend.url, figs)
+            self.affinity.observe_loads(backend.url, figs, resized)
 
     # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in
     # place, so a loop that is iterating over the old list (probes, load polls) finishes undisturbed.

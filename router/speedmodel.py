@@ -6,45 +6,16 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-# Until a model has seen this much, its figures are the prior's (or a neutral guess).
-NEUTRAL = (0.01, 0.0005)  # 100 tok/s alone, 1 / 0.0005 = 2000 tok/s at saturation: a mid-range GPU server
-MIN_ALPHA = 1e-5
-N_REF = 10.0  # a typical load: with no slope in the prior, alpha / N_REF is its scale
-# The measurements behind each constant: docs/BENCH.md, "Adaptive: why its constants are what they are".
-BAND_WINDOW = 128  # samples kept per load band: a band the traffic left keeps its own (faded by age)
-# Refit every REFIT_EVERY samples, or every held/REFIT_SHARE when more are held (a fit costs ~6 us per sample).
-REFIT_EVERY = 4
-REFIT_SHARE = 32
-HUBER = 2.5  # in robust standard deviations of log(measured / predicted)
-# Shape: per load band the line's mean relative error there, shrunk by BAND_SHRINK pseudo-samples scaled by
-# (noise / SHAPE_NOISE)^2, at least MIN_SHRINK of it: real servers are not straight lines. The shrink is the
-# empirical-Bayes one, noise^2 / tau^2 with tau = SHAPE_NOISE / sqrt(BAND_SHRINK) (~4.5%) how far a band is
-# believed to sit off the line, and is not capped: capped at BAND_SHRINK, a band of a server whose requests
-# scatter by 50% followed its own ~10% noise, and prefill-long's speculative model ran 4-7% fast at 2-3 running
-# where the right split is a tie (docs/BENCH.md "s33", "s36").
-BAND_SHRINK = 5.0
-SHAPE_NOISE = 0.1
-MIN_SHRINK = 0.04
-SLOPE_PRIOR = 0.25  # how far (relative) one more request is believed to move a token time off the prior shape (fit)
-MIN_BAND_LEVEL = 3  # a band's own median centres the clipping from this many samples; before, the line does
-# Memory grows with the requests' own scatter: a mean of N samples scattering by s (relative) is known to about
-# s / sqrt(N), so a model forgets no faster than keeps its curve within MEMORY_TARGET (N = (s / target)^2 samples'
-# worth, the forgetting factor 1 - 1/N), up to MAX_FORGETTING. A quiet server keeps the configured forgetting.
-MEMORY_TARGET = 0.03
-MAX_FORGETTING = 0.998
-# A refit over a thousand samples takes ~3.5 ms of pure Python. A model that defers (SpeedModel.defer) leaves a refit
-# over SYNC_FIT samples or more to its owner, who runs it FIT_STEP samples at a time (fit_steps) between the event
-# loop's other work: run at once, each such refit held every stream the router forwards, and on the issue's pair at
-# 32 clients that cost adaptive 2-3% of its throughput against balanced at the same split (docs/BENCH.md, "s34").
-SYNC_FIT = 128
-FIT_STEP = 256
+from router.tuning import DEFAULT, Tuning
 
 
-def shrink(noise: float) -> float:
+def shrink(noise: float, t: Tuning = DEFAULT) -> float:
     """The pseudo-samples a load band's mean is shrunk toward the line by, for requests scattering by `noise`
     (relative): the band's estimate weighs its own samples against this many on the line, and is known as well
-    as its samples and these together (the posterior of that shrink: what Adaptive.stderr counts)."""
-    return BAND_SHRINK * max(MIN_SHRINK, (noise / SHAPE_NOISE) ** 2)
+    as its samples and these together (the posterior of that shrink: what SpeedEstimator.stderr counts). The
+    shrink is the empirical-Bayes one, noise^2 / tau^2 with tau = shape_noise / sqrt(band_shrink) how far a band
+    is believed to sit off the line; not capped (capped, a widely scattering server's band follows its noise)."""
+    return t.band_shrink * max(t.min_shrink, (noise / t.shape_noise) ** 2)
 
 
 EDGES = (1.0, 1.5, 2.5, 3.5, 8.0, 16.0, 32.0, 64.0, math.inf)  # band k holds loads from EDGES[k] up to EDGES[k + 1]
@@ -56,9 +27,8 @@ def band(n: float) -> int:
 
     Light load has a band per count because the decisions there are between one, two and three running, and a
     server is least a straight line there (a speculative server alone runs ~8% faster than a line fitted to
-    busier traffic says). With 2-3 in one band, a model that had samples at 1.7 running and few alone put the
-    TP4 speculative server alone 7% below its speed (the line's error, shrunk toward by the 1.7s), and two
-    clients both went to the baseline (0.96x of one each)."""
+    busier traffic says); with 2-3 in one band, samples at 1.7 running pull the estimate alone toward the line's
+    error."""
     if n < 3.5:
         return max(int(n + 0.5), 1) - 1
     return max(int(n), 4).bit_length()
@@ -134,21 +104,22 @@ class Params:
 
 
 class SpeedModel:
-    """Weighted least squares of y = alpha + beta*n over the last BAND_WINDOW samples of each load band (n
+    """Weighted least squares of y = alpha + beta*n over the last band_window samples of each load band (n
     running, y seconds per token per request), on relative errors (a request at high load weighs as much as
     one alone), with weights forgetting^age so it follows drift, and Huber weights around the median error so stalled
     requests and hiccups do not drag the fit (refitted a few times from the last fit: IRLS). A prior
     (from a calibration curve) counts as `prior_weight` samples and fades like one."""
 
     __slots__ = ("forgetting", "theta", "prior", "prior_weight", "bands", "samples", "err", "scale", "max_running",
-                 "_since_fit", "shape", "counts", "spread", "defer", "due", "epoch")
+                 "_since_fit", "shape", "counts", "spread", "defer", "due", "epoch", "t")
 
     def __init__(self, forgetting: float = 0.99, prior: tuple[float, float] | None = None,
-                 prior_weight: float = 20.0) -> None:
+                 tuning: Tuning = DEFAULT) -> None:
+        self.t = tuning
         self.forgetting = forgetting
         self.prior = prior
-        self.prior_weight = prior_weight
-        self.theta = list(prior if prior is not None else NEUTRAL)
+        self.prior_weight = tuning.prior_weight
+        self.theta = list(prior if prior is not None else tuning.neutral)
         self.bands: dict[int, deque[tuple[float, float, int]]] = {}  # load band -> its latest (n, y, sample no.)
         self.samples = 0
         self.err = 0.0  # EWMA of |relative error| of the prediction made before each sample
@@ -158,13 +129,15 @@ class SpeedModel:
         self.shape: tuple[tuple[int, float], ...] = ()
         self.counts: dict[int, int] = {}  # samples held per load band
         self.spread = 0.0  # robust standard deviation of one request's log(measured / model), shape included
-        self.defer = False  # leave big refits to the owner (due, fit_steps) instead of running them in update()
+        # Leave a refit over sync_fit samples or more to the owner (due, fit_steps), who runs it fit_step samples
+        # at a time between the event loop's other work: run at once, each such refit holds every stream.
+        self.defer = False
         self.due = False  # a refit is due and left to the owner
         self.epoch = 0  # counts rescale()s: a refit begun before one is of the old scale and is dropped
 
     def params(self) -> Params:
         a, b = self.theta
-        return Params(max(a, MIN_ALPHA), max(b, 0.0), self.max_running, self.shape)
+        return Params(max(a, self.t.min_alpha), max(b, 0.0), self.max_running, self.shape)
 
     def held(self) -> int:
         """Samples held over all load bands."""
@@ -183,16 +156,18 @@ class SpeedModel:
         if not (n >= 1 and y > 0 and math.isfinite(y) and math.isfinite(n)):
             return 0.0
         rel = abs(self.predict(n) - y) / y
-        gain = 0.05 if self.samples >= 20 else 1.0 / (self.samples + 1)
+        t = self.t
+        gain = t.err_gain if self.samples >= 1.0 / t.err_gain else 1.0 / (self.samples + 1)
         self.err += gain * (min(rel, 1.0) - self.err)
         held = self.bands.get(band(n))
         if held is None:
-            held = self.bands[band(n)] = deque(maxlen=BAND_WINDOW)
+            held = self.bands[band(n)] = deque(maxlen=t.band_window)
         held.append((float(n), y, self.samples))
         self.samples += 1
         self._since_fit += 1
-        if self.samples <= 32 or self._since_fit >= max(REFIT_EVERY, self.held() // REFIT_SHARE):
-            if self.defer and self.held() >= SYNC_FIT:
+        # Refit every refit_every samples, or every held/refit_share when more are held (~6 us per sample held).
+        if self.samples <= t.eager_fits or self._since_fit >= max(t.refit_every, self.held() // t.refit_share):
+            if self.defer and self.held() >= t.sync_fit:
                 self.due = True
             else:
                 self.fit()
@@ -202,10 +177,12 @@ class SpeedModel:
         for _ in self.fit_steps():
             pass
 
-    def fit_steps(self, step: int = FIT_STEP) -> Iterator[int]:
+    def fit_steps(self, step: int | None = None) -> Iterator[int]:
         """The refit, in steps of about `step` samples each: yields the samples each step went over. Works on the
         samples held when it began; the model changes only at its end, all at once (the line, its shape, its
         spread), and not at all when the model was rescaled meanwhile (then another refit is due)."""
+        t = self.t
+        step = t.fit_step if step is None else step
         self._since_fit = 0
         self.due = False
         epoch = self.epoch
@@ -220,19 +197,19 @@ class SpeedModel:
         m, age_sum = len(data), sum(ages)
         yield m
         a, b = self.theta
-        pa, pb = self.prior if self.prior is not None else NEUTRAL
+        pa, pb = self.prior if self.prior is not None else t.neutral
         r = pb / pa  # the prior shape the slope's ridge pulls toward
         for _ in range(3):
             preds: list[float] = []
             lrs: list[float] = []
             for i in range(0, m, step):
-                part = [max(a + b * n, MIN_ALPHA) for n, _ in data[i:i + step]]
+                part = [max(a + b * n, t.min_alpha) for n, _ in data[i:i + step]]
                 lrs += [math.log(y / p) for (_, y), p in zip(data[i:i + step], part, strict=True)]
                 preds += part
                 yield len(part)
             med = sorted(lrs)[m // 2]
             mad = sorted(abs(x - med) for x in lrs)[m // 2]
-            s = max(1.4826 * mad, 0.02)
+            s = max(1.4826 * mad, t.min_scale)
             # Normal equations of sum w (y - a - b n)^2 with w = age * huber / y_hat^2 (relative errors).
             s00 = s01 = s11 = t0 = t1 = 0.0
             for i in range(0, m, step):
@@ -242,8 +219,8 @@ class SpeedModel:
                     # Around the median, not 0: when the fit is far off (a first sample that was an outlier), the
                     # bulk of the samples still agree with each other and the strays are the ones left out.
                     dev = abs(lr - med)
-                    if dev > HUBER * s:
-                        w *= (HUBER * s / dev) ** 2
+                    if dev > t.huber * s:
+                        w *= (t.huber * s / dev) ** 2
                     s00 += w
                     s01 += w * n
                     s11 += w * n * n
@@ -251,9 +228,9 @@ class SpeedModel:
                     t1 += w * n * y
                 yield min(step, m - i)
             if self.prior is not None:
-                # The prior as pseudo-samples at n=1 and n=N_REF, fading as the data comes in.
+                # The prior as pseudo-samples at n=1 and n=n_ref, fading as the data comes in.
                 wp = self.prior_weight * lam ** self.samples / 2
-                for n in (1.0, N_REF):
+                for n in (1.0, t.n_ref):
                     yp = pa + pb * n
                     w = wp / (yp * yp)
                     s00 += w
@@ -262,13 +239,11 @@ class SpeedModel:
                     t0 += w * yp
                     t1 += w * n * yp
             # The slope is as sure as the samples' spread in load makes it, against a prior belief (the prior's or
-            # the neutral shape, b/a) worth (s / SLOPE_PRIOR)^2 samples a request apart: a ridge on b - r a. Loads
-            # that barely differ leave the shape (a prefill-long warm-up left the speculative model 30 samples at 1
-            # running and two at 1.13, whose own slope, 50 ms a token per request, shut that server out of every
-            # busier load); a few requests a whole request apart that took twice as long (a server that serves
-            # one at a time) move it. The hard switch before (a load variance of 0.25) kept a serial llama.cpp
-            # engine's second request as cheap as the prior's 5% for a whole judge level (docs/BENCH.md "s39").
-            mu = (s / SLOPE_PRIOR) ** 2 * s00 / max(age_sum, 1e-12)
+            # the neutral shape, b/a) worth (s / slope_prior)^2 samples a request apart: a ridge on b - r a. Loads
+            # that barely differ leave the shape (a steep slope from samples at 1 and 1.13 running would shut a server
+            # out of every busier load); a few requests a whole request apart that took twice as long (a server
+            # that serves one at a time) move it.
+            mu = (s / t.slope_prior) ** 2 * s00 / max(age_sum, 1e-12)
             r00, r01, r11 = s00 + mu * r * r, s01 - mu * r, s11 + mu
             det = r00 * r11 - r01 * r01
             if det > 0:
@@ -277,7 +252,7 @@ class SpeedModel:
                 # A flat or falling curve is noise: no slope, the weighted mean level.
                 b = 0.0
                 a = t0 / s00
-            a = max(a, MIN_ALPHA)
+            a = max(a, t.min_alpha)
         shape, counts = yield from self._fit_shape(data, ages, a, b, s, step)
         spread = yield from self._fit_spread(data, Params(a, max(b, 0.0), self.max_running, shape), step)
         if epoch != self.epoch:
@@ -298,16 +273,16 @@ class SpeedModel:
         devs.sort()
         return 1.4826 * devs[len(devs) // 2] if devs else 0.0
 
-    @staticmethod
-    def _fit_shape(data, ages, a, b, s, step: int) -> Iterator[int]:
-        """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at HUBER
+    def _fit_shape(self, data, ages, a, b, s, step: int) -> Iterator[int]:
+        """Per load band: the age-weighted mean of measured / line, each sample's deviation clipped at `huber`
         robust deviations around the band's median (a stalled request cannot bend a band; a band the line
-        misses by 25% is still followed), shrunk toward the line by BAND_SHRINK samples (fewer when the
+        misses by 25% is still followed), shrunk toward the line by `band_shrink` samples (fewer when the
         samples are quiet, more when they scatter) against the band's effective sample count (Kish: (sum w)^2 / sum w^2). That
         count does not fall when all of a band's samples fade alike: a band the traffic left long ago keeps
         its correction instead of falling back on the line, which the busy band alone now sets (shrinking by
         the faded weights' sum, a bend at 1 running came back 15% off after 300 samples at 3-5)."""
-        a, b = max(a, MIN_ALPHA), max(b, 0.0)
+        t = self.t
+        a, b = max(a, t.min_alpha), max(b, 0.0)
         per: dict[int, list[tuple[float, float]]] = {}
         loads: dict[int, float] = {}  # per band: the age-weighted sum of its samples' loads
         for i in range(0, len(data), step):
@@ -317,14 +292,14 @@ class SpeedModel:
                 loads[k] = loads.get(k, 0.0) + age * n
             yield min(step, len(data) - i)
         counts = {k: len(v) for k, v in per.items()}
-        centres = {k: sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= MIN_BAND_LEVEL else 0.0
+        centres = {k: sorted(r for r, _ in rs)[len(rs) // 2] if len(rs) >= t.min_band_level else 0.0
                    for k, rs in per.items()}
         # The requests' own scatter, within bands (the line's misfit between bands is not noise).
-        within = sorted(abs(r - centres[k]) for k, rs in per.items() if len(rs) >= MIN_BAND_LEVEL for r, _ in rs)
-        noise = max(1.4826 * within[len(within) // 2], 0.02) if within else s
+        within = sorted(abs(r - centres[k]) for k, rs in per.items() if len(rs) >= t.min_band_level for r, _ in rs)
+        noise = max(1.4826 * within[len(within) // 2], t.min_scale) if within else s
         yield len(data)
-        lim = HUBER * noise
-        pseudo = shrink(noise)
+        lim = t.huber * noise
+        pseudo = shrink(noise, t)
         got: dict[int, float] = {}
         effs: dict[int, float] = {}
         at: dict[int, float] = {}  # where in the band its factor is measured: its samples' mean load
@@ -340,9 +315,7 @@ class SpeedModel:
                 at[k] = min(max(loads[k] / w, EDGES[k]), EDGES[k + 1])
         got = monotone(got, effs, at, a, b)
         # A band between two measured ones is on the straight line between their points (Params.token_time), not
-        # on the fitted line: a warm-up at 1, 5, 30 and 100 clients left the TP8 baseline without samples at 8-15
-        # running, where the line (bent 3-11% either side by the measured bands) was 9% fast, and 10 clients kept
-        # one request too many there.
+        # on the fitted line, which measured bands either side bend off the server where it has no samples.
         yield len(data)
         return tuple((k, got[k], at[k]) for k in sorted(got)), counts
 
@@ -352,16 +325,17 @@ class SpeedModel:
         if factor > 0 and factor != 1.0:
             self.epoch += 1
             self.theta = [self.theta[0] * factor, self.theta[1] * factor]
-            self.bands = {k: deque(((n, y * factor, no) for n, y, no in held), maxlen=BAND_WINDOW)
+            self.bands = {k: deque(((n, y * factor, no) for n, y, no in held), maxlen=self.t.band_window)
                           for k, held in self.bands.items()}
             if self.prior is not None:
                 self.prior = (self.prior[0] * factor, self.prior[1] * factor)
 
     def memory(self) -> float:
         """The forgetting factor in use: the configured one, or slower where the requests scatter widely."""
-        if self.spread <= MEMORY_TARGET:
+        t = self.t
+        if self.spread <= t.memory_target:
             return self.forgetting
-        return max(self.forgetting, min(MAX_FORGETTING, 1.0 - (MEMORY_TARGET / self.spread) ** 2))
+        return max(self.forgetting, min(t.max_forgetting, 1.0 - (t.memory_target / self.spread) ** 2))
 
     def noise(self) -> float:
         """Relative standard deviation of the fitted curve itself (what its estimate wobbles by under noise)."""
@@ -395,9 +369,6 @@ def monotone(factors: dict[int, float], weights: dict[int, float], at: dict[int,
     return out
 
 
-PREFILL_MIN_SPREAD = 0.05  # uncached prompt lengths varying less than this (relative sd) leave the slope unknown
-
-
 class PrefillModel:
     """A server's prefill forward: seconds = fixed + per_token * uncached prompt tokens, fitted (weighted least
     squares, forgetting per sample) on the time to first token of requests that found the server idle: there
@@ -405,9 +376,10 @@ class PrefillModel:
     (the batch waits for it). Kept apart from the speed model's whole-duration token times, which hold a
     request's own prefill and the stalls others caused it but not the stall it causes the others."""
 
-    __slots__ = ("forgetting", "w", "su", "suu", "st", "sut", "samples", "uncached", "seen")
+    __slots__ = ("forgetting", "w", "su", "suu", "st", "sut", "samples", "uncached", "seen", "t")
 
-    def __init__(self, forgetting: float = 0.99) -> None:
+    def __init__(self, forgetting: float = 0.99, tuning: Tuning = DEFAULT) -> None:
+        self.t = tuning
         self.forgetting = forgetting
         self.w = self.su = self.suu = self.st = self.sut = 0.0
         self.samples = 0
@@ -438,7 +410,7 @@ class PrefillModel:
             return None
         mu = self.su / self.w
         var = self.suu / self.w - mu * mu
-        if mu <= 0 or var <= (PREFILL_MIN_SPREAD * mu) ** 2:
+        if mu <= 0 or var <= (self.t.prefill_min_spread * mu) ** 2:
             return None
         return max(0.0, (self.sut / self.w - mu * self.st / self.w) / var)
 

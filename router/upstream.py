@@ -1,5 +1,7 @@
-"""The HTTP/1.1 client to backends: keep-alive pools, both connection limits (per backend, total), the connect
-deadline, and the one place where transport exceptions become router errors."""
+"""The HTTP/1.1 client to backends and the exchange's one seam to them: keep-alive pools, both connection limits
+(per backend, total), the connect deadline, a proxied answer's life (Reply: read, give back for reuse, close), and
+the one place where transport exceptions become router errors. Only this module (and router.h1 under it) touches
+HTTP/1 connections and connection limits."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,7 @@ import errno
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from router.errors import (
@@ -21,8 +24,8 @@ from router.errors import (
 from router.h1 import Closed, Connection, ProtocolError, Response
 from router.settings import Settings
 
-# Phases of an upstream exchange; a timeout's kind names the phase it hit.
-CONNECT, FIRST_BYTE, IDLE = "connect", "first_byte", "idle"
+# Phases of an upstream exchange, each named by the failure a timeout in it is.
+CONNECT, FIRST_BYTE, IDLE = Failure.CONNECT_TIMEOUT, Failure.FIRST_BYTE_TIMEOUT, Failure.IDLE_TIMEOUT
 # Connect errors that come from this host's own limits, whatever the backend's state.
 _LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL))
 # An idle kept-alive connection is dropped after this long: uvicorn (SGLang, vLLM) and llama.cpp's server close
@@ -54,14 +57,15 @@ def is_local(exc: BaseException) -> bool:
     return isinstance(exc.os_error, socket.gaierror) or exc.os_error.errno in _LOCAL_ERRNOS
 
 
-def map_error(exc: BaseException, backend: str, phase: str, *, got_headers: bool) -> UpstreamError:
-    """Translate a transport exception into the router's hierarchy; the only place that does so."""
+def map_error(exc: BaseException, backend: str, phase: Failure, *, got_headers: bool) -> UpstreamError:
+    """Translate a transport exception into the router's hierarchy; the only place that does so. `phase`: where
+    it happened (FIRST_BYTE, IDLE), the failure a timeout there is."""
     if isinstance(exc, ConnectTimeout):
-        err = UpstreamTimeout(f"connecting to backend {backend} timed out", kind="connect_timeout")
+        err = UpstreamTimeout(f"connecting to backend {backend} timed out", failure=CONNECT)
         err.retryable = True  # the request never left: another backend may take it
         return err
     if isinstance(exc, TimeoutError):
-        return UpstreamTimeout.silent(backend, Failure(f"{phase}_timeout"))
+        return UpstreamTimeout.silent(backend, phase)
     if isinstance(exc, ConnectFailed):
         reason = exc.os_error.strerror or exc.os_error
         if is_local(exc):
@@ -126,13 +130,16 @@ class Endpoint:
 
 
 class Client:
-    """Keep-alive connections per backend; at most `max_connections` requests open to all backends together.
+    """Keep-alive connections per backend; at most `max_connections` requests open to all backends together, and
+    a proxied request (open()) also at most `limits.per_backend` to its backend.
 
     `keep_alive=False` opens a fresh connection for every request (health probes: a backend that stopped
-    accepting must fail its probe even while an old connection to it still works)."""
+    accepting must fail its probe even while an old connection to it still works). `limits`: the per-backend
+    places (built before the client, so the metrics can show their waits); without, max_connections each."""
 
     def __init__(self, connect_timeout: float, max_connections: int, max_idle_per_backend: int,
-                 keep_alive: bool = True) -> None:
+                 keep_alive: bool = True, limits: Limits | None = None) -> None:
+        self.limits = limits if limits is not None else Limits([], max_connections)
         self.connect_timeout = connect_timeout
         self.keep_alive = keep_alive
         self.max_idle = max_idle_per_backend if keep_alive else 0
@@ -149,10 +156,27 @@ class Client:
             ep = self._endpoints[url] = Endpoint(url, self._ssl, self.max_idle)
         return ep
 
+    async def open(self, url: str, path: str, body: bytes, headers: dict[str, str],
+                   placed: Callable[[float | None], None]) -> Reply:
+        """POST one proxied request: take `url`'s place under the per-backend limit, then one under the total,
+        send, and wait for the status line and headers. `placed(waited)` runs once the backend's place is held
+        (`waited`: the seconds it waited for it, None when one was free). A transport failure comes out as an
+        UpstreamError; on any failure both places are given back."""
+        limits = self.limits
+        placed(await limits.take(url))
+        try:
+            resp = await self.request("POST", url, path, body, headers)
+        except BaseException as exc:
+            limits.give(url)
+            if isinstance(exc, TRANSPORT_ERRORS):
+                raise map_error(exc, url, FIRST_BYTE, got_headers=False) from None
+            raise
+        return Reply(self, url, resp)
+
     async def request(self, method: str, url: str, path: str, body: bytes | None,
                       headers: dict[str, str] | None) -> Response:
-        """Send one request and wait for its status line and headers. Raises ConnectFailed, ConnectTimeout,
-        Closed, ProtocolError (each mapped by map_error)."""
+        """Send one request (under the total limit only) and wait for its status line and headers. Raises
+        ConnectFailed, ConnectTimeout, Closed, ProtocolError (each mapped by map_error)."""
         ep = self.endpoint(url)
         data = ep.request(method, path, body, headers)
         if not self._slots.try_take():
@@ -210,32 +234,63 @@ class Client:
             ep.idle.clear()
 
 
-def make_client(settings: Settings) -> Client:
-    return Client(settings.connect_timeout, settings.max_connections, settings.max_connections_per_backend)
+def make_client(settings: Settings, limits: Limits) -> Client:
+    return Client(settings.connect_timeout, settings.max_connections, settings.max_connections_per_backend,
+                  limits=limits)
 
 
-async def send(client: Client, backend: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
-    """POST to a backend and wait for its response headers."""
-    try:
-        return await client.request("POST", backend, path, body, headers)
-    except TRANSPORT_ERRORS as exc:
-        raise map_error(exc, backend, FIRST_BYTE, got_headers=False) from None
+class Reply:
+    """A backend's answer to one proxied request, as the exchange sees it: status, Content-Type, body reads whose
+    transport failures come out as UpstreamError, and end(), which ends the answer's hold on the backend once."""
 
+    __slots__ = ("_resp", "_client", "url", "status", "ctype")
 
-async def read_chunk(resp: Response, backend: str, phase: str) -> bytes:
-    """The next bytes of a response body (b"" at its end)."""
-    try:
-        return await resp.read_chunk()
-    except TRANSPORT_ERRORS as exc:
-        raise map_error(exc, backend, phase, got_headers=True) from None
+    def __init__(self, client: Client, url: str, resp: Response) -> None:
+        self._resp = resp
+        self._client: Client | None = client  # None once ended
+        self.url = url
+        self.status = resp.status
+        self.ctype = resp.ctype  # the Content-Type field as sent (None: absent)
 
+    @property
+    def content_type(self) -> str:
+        """The media type without parameters, lower case."""
+        return self._resp.content_type
 
-async def read_body(resp: Response, backend: str) -> bytes:
-    """A whole (non-streamed) response body."""
-    try:
-        return await resp.read()
-    except TRANSPORT_ERRORS as exc:
-        raise map_error(exc, backend, FIRST_BYTE, got_headers=True) from None
+    async def read_chunk(self, phase: Failure) -> bytes:
+        """Every body byte received since the last read, waiting for some; b"" at the end. `phase` (FIRST_BYTE,
+        IDLE) names a timeout."""
+        try:
+            return await self._resp.read_chunk()
+        except TRANSPORT_ERRORS as exc:
+            raise map_error(exc, self.url, phase, got_headers=True) from None
+
+    async def read_body(self) -> bytes:
+        """The whole (non-streamed) body."""
+        try:
+            return await self._resp.read()
+        except TRANSPORT_ERRORS as exc:
+            raise map_error(exc, self.url, FIRST_BYTE, got_headers=True) from None
+
+    def time_out(self) -> None:
+        """The backend was silent too long (router.watchdog): a read with no bytes left raises idle_timeout."""
+        self._resp.set_exception(TimeoutError())
+
+    def end(self) -> None:
+        """Done with the answer, whatever happened: a complete one gives its connection back for reuse, any other
+        closes it (an unfinished answer's backend, SGLang, then aborts the request); then the backend's place
+        under the per-backend limit is given back (the total's goes with the connection). Once."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        resp = self._resp
+        try:
+            if resp.at_eof():
+                resp.release()
+            else:
+                resp.close()
+        finally:
+            client.limits.give(self.url)
 
 
 async def get(client: Client, backend: str, path: str, headers: dict[str, str] | None) -> tuple[int, bytes]:
@@ -303,7 +358,10 @@ class Limits:
 
     async def take(self, url: str) -> float | None:
         """One of `url`'s places; returns the seconds waited for it (None when one was free)."""
-        gate = self.slots[url]
+        gate = self.slots.get(url)
+        if gate is None:  # a client of its own (tests, tools): places made on first use
+            self.add(url)
+            gate = self.slots[url]
         if gate.try_take():
             return None
         t = time.monotonic()

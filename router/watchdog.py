@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from router.errors import UpstreamError
-from router.h1 import Response
+from router.upstream import Reply
 
 
 class FirstByteDeadline:
@@ -46,8 +46,8 @@ class FirstByteDeadline:
 class Watchdog:
     """Re-armed lazily, so the per-chunk cost is one float store (`last_chunk`), not a timer per read.
 
-    Idle: no upstream chunk for `idle` seconds -> the upstream reader gets a TimeoutError (mapped as idle_timeout
-    by router.upstream). Write stall: bytes wait for the client and it took none of them for `write_timeout`
+    Idle: no upstream chunk for `idle` seconds -> the answer times out (Reply.time_out: its reader gets an
+    idle_timeout). Write stall: bytes wait for the client and it took none of them for `write_timeout`
     seconds -> the client connection is aborted, which aiohttp turns into a client disconnect. A stall is noticed
     between `write_timeout` and 1.5 x `write_timeout` after the client stopped reading.
     """
@@ -56,14 +56,14 @@ class Watchdog:
                  "last_chunk", "_sent", "_sent_at")
 
     def __init__(self, idle: float, write_timeout: float, transport: asyncio.Transport,
-                 writer, resp: Response) -> None:
+                 writer, resp: Reply) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle = idle
         self._write_timeout = write_timeout
         self._tick = write_timeout / 2
         self._transport = transport
         self._writer = writer
-        self._resp: Response | None = resp
+        self._resp: Reply | None = resp
         self.last_chunk = time.monotonic()
         # Bytes the kernel had taken at the last recorded progress, and when (`_sent_at`, set by that record):
         # below any count, so the first check with bytes waiting records.
@@ -86,7 +86,7 @@ class Watchdog:
         if self._resp is not None:
             quiet = now - self.last_chunk
             if quiet >= self._idle:
-                self._resp.set_exception(TimeoutError())
+                self._resp.time_out()
                 self._resp = None
             else:
                 wait = min(wait, self._idle - quiet)

@@ -39,13 +39,14 @@ declare -A MODULE_TESTS=(
     tests/test_upstream_errors.py::test_no_headers_in_time_is_504_no_first_byte
     tests/test_proxy_branches.py::test_hang_before_headers_is_504_and_not_retried
     tests/test_router_lifecycle.py::test_first_byte_timeout_is_504_and_aborts
-    tests/test_exchange.py::test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503"
-  [router/upstream.py]="tests/test_router_h1.py tests/test_upstream_errors.py tests/test_proxy_branches.py
+    tests/test_exchange.py::test_a_request_still_waiting_for_headers_at_the_drain_deadline_gets_503
+    tests/test_transport_seam.py::test_a_stream_that_keeps_talking_is_not_cut_by_idle_timeout"
+  [router/upstream.py]="tests/test_router_h1.py tests/test_upstream_errors.py tests/test_transport_seam.py tests/test_proxy_branches.py
     tests/test_router_proxy.py tests/test_router_errors.py
     tests/test_router_health.py::test_a_local_failure_gives_no_verdict
     tests/test_router_health.py::test_probes_carry_the_pools_backend_key
     tests/test_router_discovery.py::test_members_join_and_leave_without_restart"
-  [router/exchange.py]="tests/test_exchange.py tests/test_upstream_errors.py tests/test_proxy_branches.py
+  [router/exchange.py]="tests/test_exchange.py tests/test_transport_seam.py tests/test_upstream_errors.py tests/test_proxy_branches.py
     tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_router_streaming.py
     tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py
     tests/test_router_body.py::test_a_stalled_upload_is_408_with_the_deadline_named"

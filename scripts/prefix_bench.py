@@ -10,7 +10,9 @@ import time
 import tracemalloc
 
 from router.affinity import Affinity
-from router.policy import BELOW, BackendLoad, Decision, View
+from router.core.scheduler import Scheduler
+from router.policies import LeastInflight
+from router.policy import BackendLoad, View
 from router.prefix import TEXT, Prompt, chain
 
 
@@ -40,13 +42,14 @@ def main() -> None:
 
     # decisions: half a held conversation's next turn, half new prompts
     t_hash = t_place = 0.0
-    d0 = Decision(backends[0], BELOW)
+    sched = Scheduler(LeastInflight(), aff)
     r = random.Random(1)
     for i in range(a.decisions):
         t0 = time.perf_counter()
         blocks = chain(body if i % 2 else body[:-1] + bytes([i % 256]))
         t1 = time.perf_counter()
-        d, pl = aff.place(d0, view, Prompt(TEXT, nbytes, blocks), r)
+        got = sched.decide(sched.snapshot(view.backends, None, Prompt(TEXT, nbytes, blocks)), r)
+        d, pl = got.decision, got.placement
         aff.sent(d.backend, pl)
         t2 = time.perf_counter()
         t_hash += t1 - t0

@@ -9,7 +9,7 @@ import pytest
 from bench.lab import judge as judge_cmd
 from bench.lab import routesim
 from bench.lab.family import MEMBERS, predict
-from router.policy import build
+from tests.fixtures_policy import policy_of
 
 TOKENS = 96
 
@@ -44,7 +44,7 @@ def test_one_server_alone_serves_what_its_parameters_say_and_the_same_twice(name
     bench = routesim.Bench(m, TOKENS, seed=1)
 
     def alone(spec: bool):
-        return routesim.run_virtual(bench.run(build("spillover", threshold=10 ** 6), [(1, 32), (8, 64)],
+        return routesim.run_virtual(bench.run(policy_of("spillover", threshold=10 ** 6), [(1, 32), (8, 64)],
                                               pools=(spec, not spec)))
 
     for spec, p in ((True, m.speculative), (False, m.baseline)):
@@ -60,8 +60,8 @@ def test_the_verdict_tells_a_wrong_policy_from_a_right_one():
     client; one pinned to the baseline holds it there."""
     m = MEMBERS["saturating-never"]
     wrong = routesim.judge(m, [1], min_requests=32, warmup_s=0, cold_runs=1,
-                           make=lambda: build("spillover", threshold=10 ** 6))
-    right = routesim.judge(m, [1], min_requests=32, warmup_s=0, cold_runs=1, make=lambda: build("spillover",
+                           make=lambda: policy_of("spillover", threshold=10 ** 6))
+    right = routesim.judge(m, [1], min_requests=32, warmup_s=0, cold_runs=1, make=lambda: policy_of("spillover",
                                                                                                  threshold=0))
     (w,), (r,) = wrong["rows"], right["rows"]
     assert w["share"] == 1.0 and w["ratio"] < 0.9 and w["cold_reached_at"] is None

@@ -754,7 +754,7 @@ async def test_a_stream_without_usage_counts_its_tokens_by_its_data_events(raw_b
     # No usage, so no prompt_tokens: the prompt's size is the router's estimate from its bytes (a prompt shorter
     # than a prefix block included), and the prefill model learns from it (adaptive's prompt covariate). The
     # speed sample is in the model unmoved, kept for the rebuild once that covariate is measured
-    # (router.adaptive.MAX_EARLY).
+    # (router.tuning.Tuning.max_early).
     assert obs.prompt_tokens is None and learned["pools"][obs.pool]["prefill_samples"] == 1
     assert learned["samples_unmoved"] == 1 and learned["pools"][obs.pool]["samples"] == 1
 

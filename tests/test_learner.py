@@ -13,7 +13,8 @@ from router.app import STATE
 from router.learner import LEARN_STEP, Learner
 from router.observe import LoadFigures, Observation
 from router.pools import Pools
-from router.speedmodel import FIT_STEP, SYNC_FIT, SpeedModel
+from router.speedmodel import SpeedModel
+from router.tuning import DEFAULT
 
 S1, B1 = "http://s1:1", "http://b1:1"
 
@@ -32,7 +33,7 @@ def fitted(m: SpeedModel) -> tuple:
 def test_a_stepped_refit_is_the_refit():
     m = SpeedModel()
     feed(m, 1500)
-    assert m.held() > 3 * FIT_STEP
+    assert m.held() > 3 * DEFAULT.fit_step
     other = copy.deepcopy(m)
     steps = list(m.fit_steps(step=100))
     other.fit()
@@ -43,8 +44,8 @@ def test_a_stepped_refit_is_the_refit():
 def test_a_deferring_model_leaves_big_refits_due_and_changes_only_when_one_ends():
     lazy, eager = SpeedModel(), SpeedModel()
     lazy.defer = True
-    feed(lazy, SYNC_FIT - 1)
-    feed(eager, SYNC_FIT - 1)
+    feed(lazy, DEFAULT.sync_fit - 1)
+    feed(eager, DEFAULT.sync_fit - 1)
     assert not lazy.due and fitted(lazy) == fitted(eager)  # small refits still run at once
     rng = random.Random(5)
     for _ in range(40):
@@ -94,12 +95,12 @@ def test_adaptive_publishes_a_deferred_refit_when_learn_has_run_it():
         for pol in (eager, lazy):
             pol.observe(o)
             pol.observe_loads(S1, "speculative", LoadFigures(8, 0, None, 2.5, 48))
-        left += bool(lazy.pending)  # a refit left to learn()
+        left += bool(lazy.speeds.pending)  # a refit left to learn()
         while lazy.learn(LEARN_STEP):
             steps += 1
-        assert not lazy.pending
+        assert not lazy.speeds.pending
     assert left >= 10 and steps > left  # run in several steps each
-    assert lazy.published == eager.published and lazy.spreads == eager.spreads
+    assert lazy.speeds.published == eager.speeds.published and lazy.speeds.spreads == eager.speeds.spreads
 
 
 def test_pools_without_a_learner_run_the_refits_at_once():
@@ -107,7 +108,7 @@ def test_pools_without_a_learner_run_the_refits_at_once():
     pools = Pools([S1], [B1], policy=pol)
     for o in observations(400):
         pools.report_done(pools.by_url[o.url], o)
-    assert not pol.pending
+    assert not pol.speeds.pending
 
 
 async def test_the_learner_runs_refits_in_steps_while_the_loop_serves_others():
@@ -135,16 +136,16 @@ async def test_the_learner_runs_refits_in_steps_while_the_loop_serves_others():
         assert pools.learner is not None
         for o in observations(800):
             pools.report_done(pools.by_url[o.url], o)
-        assert pol.pending and not seen  # left for the learner, not run inside report_done
+        assert pol.speeds.pending and not seen  # left for the learner, not run inside report_done
         for _ in range(10_000):
-            if not pol.pending:
+            if not pol.speeds.pending:
                 break
             await asyncio.sleep(0)
         else:
             pytest.fail("the learner left refits pending after 10,000 turns of the loop")
         assert len(seen) >= 4  # in steps ...
         assert all(b > a for a, b in zip(seen, seen[1:], strict=False))  # ... with the loop turning between them
-        assert pol.pool_model("baseline").samples > SYNC_FIT
+        assert pol.pool_model("baseline").samples > DEFAULT.sync_fit
     finally:
         other.cancel()
         await learner.stop()
@@ -174,11 +175,11 @@ def test_a_pool_fed_by_one_instance_shares_its_model_and_splits_at_a_second():
         pol.observe(o)
         alone.update(o.inflight_at_start, o.duration_s / o.completion_tokens)
         if i == 600:
-            assert pol.models["speculative"] is pol.models[S1]  # one object, refitted once per refit
-            assert pol.published["speculative"] == pol.published[S1]
-    assert pol.models["speculative"] is not pol.models[S1]
-    assert fitted(pol.models["speculative"]) == fitted(alone)
-    assert pol.models[S1].samples == 201 and pol.models[s2].samples == 99
+            assert pol.speeds.models["speculative"] is pol.speeds.models[S1]  # one object, refitted once per refit
+            assert pol.speeds.published["speculative"] == pol.speeds.published[S1]
+    assert pol.speeds.models["speculative"] is not pol.speeds.models[S1]
+    assert fitted(pol.speeds.models["speculative"]) == fitted(alone)
+    assert pol.speeds.models[S1].samples == 201 and pol.speeds.models[s2].samples == 99
 
 
 def test_a_second_instances_load_figures_split_the_pool_without_touching_the_first():
@@ -187,8 +188,8 @@ def test_a_second_instances_load_figures_split_the_pool_without_touching_the_fir
     for o in observations(60):
         pol.observe(o)
     pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, None, 48))
-    assert pol.models["speculative"] is pol.models[S1]
+    assert pol.speeds.models["speculative"] is pol.speeds.models[S1]
     pol.observe_loads(s2, "speculative", LoadFigures(4, 0, None, None, 16))
-    assert pol.models[S1].max_running == 48
-    assert pol.models["speculative"] is not pol.models[S1] and pol.models["speculative"].max_running == 16
-    assert pol.models[s2].max_running == 16
+    assert pol.speeds.models[S1].max_running == 48
+    assert pol.speeds.models["speculative"] is not pol.speeds.models[S1] and pol.speeds.models["speculative"].max_running == 16
+    assert pol.speeds.models[s2].max_running == 16

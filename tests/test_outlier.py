@@ -37,6 +37,7 @@ from router.outlier import (
 )
 from router.pools import Pools
 from router.upstream import FIRST_BYTE, ConnectFailed, map_error
+from tests.fixtures_policy import policy_of
 
 S1, B1 = "http://s1:1", "http://b1:1"
 CFG = OutlierConfig(consecutive_errors=3, base_s=10.0, max_s=60.0, trial_requests=2)
@@ -137,7 +138,7 @@ def test_zero_consecutive_errors_disables_ejection():
 # ---- Pools: the seam's report_attempt drives the machine; the policy sees `routable`
 
 def pools(**cfg) -> Pools:
-    return Pools([S1], [B1], policy="spillover", threshold=100,
+    return Pools([S1], [B1], policy=policy_of("spillover", threshold=100), threshold=100,
                  outlier_cfg=OutlierConfig(**{"consecutive_errors": 3, "base_s": 30.0, **cfg}))
 
 

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 
+from router import policies
 from router import policy as P
+from router.adaptive import Adaptive
 from router.curves import curve_throughput, marginal_gain, request_speed
 from router.policy import (
     ABOVE,
@@ -22,6 +25,8 @@ from router.policy import (
     retry_target,
 )
 from router.pools import Backend, Pools
+from router.settings import ConfigError
+from tests.fixtures_policy import policy_of
 
 S1, S2, B1, B2 = "http://s1:1", "http://s2:1", "http://b1:1", "http://b2:1"
 
@@ -38,7 +43,7 @@ def snap(s1=0, b1=0, *, s2=None, b2=None, s1_up=True, b1_up=True, s2_up=True, b2
 
 def decide(view, *, policy="spillover", threshold=0, hysteresis=0, curves=None, pinned=None, rng=None):
     """One decision of a freshly built policy (the factory the router uses)."""
-    pol = P.build(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
+    pol = policy_of(policy, threshold=threshold, hysteresis=hysteresis, curves=curves)
     return P.decide(pol, view, pinned, rng or random.Random())
 
 
@@ -92,7 +97,7 @@ GLOBAL_TABLE = [
 
 @pytest.mark.parametrize(("split", "threshold", "hyst", "before", "pool", "after"), GLOBAL_TABLE)
 def test_global_with_hysteresis(split, threshold, hyst, before, pool, after):
-    pol = P.Global(threshold, hyst, speculating=before)
+    pol = policies.Global(threshold, hyst, speculating=before)
     d = pol.decide(snap(*split), random.Random())
     assert (d.pool, d.reason) == (pool, BELOW if pool == "speculative" else ABOVE)
     assert pol.speculating is after
@@ -101,12 +106,12 @@ def test_global_with_hysteresis(split, threshold, hyst, before, pool, after):
 def test_global_and_build_defaults():
     """The defaults of the public constructors: no hysteresis, threshold 32 (mutmut: `hysteresis: int = 1` in
     Global and in build, `threshold: int = 32` -> 33 in build)."""
-    back = P.Global(4, speculating=False)  # above before; 3 in flight is below 4 - 0: speculate again
+    back = policies.Global(4, speculating=False)  # above before; 3 in flight is below 4 - 0: speculate again
     assert back.decide(snap(3, 0), random.Random()).pool == "speculative"
-    built = P.build("global", threshold=4)
+    built = policy_of("global", threshold=4)
     assert built.decide(snap(4, 0), random.Random()).pool == "baseline"
     assert built.decide(snap(3, 0), random.Random()).pool == "speculative"
-    spill = P.build("spillover")
+    spill = policy_of("spillover")
     assert spill.decide(snap(31, 0), random.Random()).pool == "speculative"
     assert spill.decide(snap(32, 0), random.Random()).pool == "baseline"
 
@@ -142,7 +147,7 @@ def test_retry_target_breaks_ties_at_random():
 
 
 def test_global_does_not_flap_at_the_boundary():
-    pol = P.build("global", threshold=4, hysteresis=2)
+    pol = policy_of("global", threshold=4, hysteresis=2)
     pools = []
     for total in (3, 4, 3, 4, 3, 2, 1, 2, 3, 4):
         pools.append(P.decide(pol, snap(total, 0), None, random.Random()).pool[0])
@@ -159,7 +164,7 @@ def test_least_inflight_spans_both_pools_and_breaks_ties_at_random():
 
 
 def test_round_robin_cycles_healthy_backends():
-    pol = P.build("round-robin")
+    pol = policy_of("round-robin")
     urls = []
     for _ in range(6):
         d = P.decide(pol, snap(0, 0, s2=0, s2_up=False, b2=9), None, random.Random())
@@ -185,28 +190,22 @@ def test_retry_prefers_same_pool_then_other():
     assert retry_target(snap(0, 0, b1_up=False), S1, "speculative", rng) is None
 
 
-def test_factory_builds_one_object_per_policy_and_rejects_unknown_names():
-    kinds = {name: type(P.build(name, threshold=3, curves=SEED)) for name in
-             ("spillover", "global", "least-inflight", "round-robin", "balanced")}
-    assert kinds == {"spillover": P.Spillover, "global": P.Global, "least-inflight": P.LeastInflight,
-                     "round-robin": P.RoundRobin, "balanced": P.Balanced}
-    assert all(P.build(name, curves=SEED).name == name for name in kinds)
-    with pytest.raises(ValueError, match="unknown policy"):
-        P.build("fastest")
-
-
-def test_factory_builds_the_fixed_policies_and_leaves_adaptive_to_the_app():
-    """policy.build knows the policies without settings of their own; adaptive is router.app.make_policy's."""
-    with pytest.raises(ValueError, match="unknown policy 'adaptive'"):
-        P.build("adaptive")
+def test_one_builder_makes_one_object_per_policy_and_rejects_unknown_names():
+    """router.policies.make_policy is the only builder: every policy name, adaptive included."""
+    kinds = {name: type(policy_of(name, threshold=3, curves=SEED)) for name in policies.NAMES}
+    assert kinds == {"spillover": policies.Spillover, "global": policies.Global, "least-inflight": policies.LeastInflight,
+                     "round-robin": policies.RoundRobin, "balanced": policies.Balanced, "adaptive": Adaptive}
+    assert all(policy_of(name, curves=SEED).name == name for name in kinds)
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
-        P.build("fastest")
-    assert type(P.build("least-inflight")) is P.LeastInflight
+        policies.make_policy(SimpleNamespace(policy="fastest"))
+    with pytest.raises(ValueError, match="needs both throughput curves"):
+        policies.make_policy(SimpleNamespace(policy="balanced", curves=lambda: None))
 
 
-def test_policies_read_live_backends_without_copies():
-    # The view holds the pools' own Backend objects: a lease taken after the view was built is seen at once.
-    pools = Pools([S1], [B1], policy="spillover", threshold=1)
+def test_each_decision_sees_the_leases_taken_before_it():
+    # The pools' view holds their own Backend objects, and each decision snapshots them anew: a lease taken after
+    # the view was built is seen by the next decision at once.
+    pools = Pools([S1], [B1], policy=policy_of("spillover", threshold=1), threshold=1)
     for b in pools.backends:
         b.probe_ok(1)
     assert pools.view.speculative[0] is pools.by_url[S1]
@@ -247,7 +246,7 @@ def test_health_thresholds():
 
 
 def test_pool_acquire_is_exact_under_many_decisions():
-    pools = Pools([S1], [B1], policy="spillover", threshold=3)
+    pools = Pools([S1], [B1], policy=policy_of("spillover", threshold=3), threshold=3)
     for b in pools.backends:
         b.probe_ok(1)
     leases = [pools.acquire()[0] for _ in range(10)]
@@ -259,7 +258,7 @@ def test_pool_acquire_is_exact_under_many_decisions():
 
 def test_pool_leases_under_random_endings_return_to_zero():
     rng = random.Random(3)
-    pools = Pools([S1, S2], [B1, B2], policy="least-inflight", threshold=0, rng=rng)
+    pools = Pools([S1, S2], [B1, B2], policy=policy_of("least-inflight", threshold=0), threshold=0, rng=rng)
     for b in pools.backends:
         b.probe_ok(1)
     live = []
@@ -334,7 +333,7 @@ def test_balanced_with_one_pool_configured_and_none_healthy():
     d = decide(only, policy="balanced", threshold=0, curves=SEED)
     assert (d.url, d.reason) == (S1, P.ONLY)
     assert decide(snap(0, 0, s1_up=False, b1_up=False), policy="balanced", threshold=0, curves=SEED) is None
-    with pytest.raises(ValueError, match="^the balanced policy needs both throughput curves$"):
+    with pytest.raises(ConfigError, match="policy balanced needs speculative_curve and baseline_curve"):
         decide(snap(0, 0), policy="balanced", threshold=0)
 
 
@@ -382,7 +381,7 @@ def test_balanced_spreads_over_instances_of_a_pool():
 
 
 def test_pools_pass_curves_to_balanced():
-    pools = Pools([S1], [B1], policy="balanced", threshold=0, curves=SEED)
+    pools = Pools([S1], [B1], policy=policy_of("balanced", threshold=0, curves=SEED), threshold=0)
     for b in pools.backends:
         b.probe_ok(1)
     leases = [pools.acquire()[0] for _ in range(6)]

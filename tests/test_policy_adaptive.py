@@ -11,13 +11,14 @@ import openai
 import pytest
 
 from router import speedmodel
-from router.adaptive import EXPLORE_FLOOR, LOW_LOAD_EXPLORE, LOW_LOAD_SAMPLES, Adaptive, sample
+from router.adaptive import Adaptive, sample
 from router.loads import parse_figures
 from router.observe import LoadFigures, Observation
 from router.policy import EXPLORE, FAILOVER, GAIN, PINNED, BackendLoad, View, decide
 from router.pools import Pools
-from router.queuelimit import QUEUE_WITNESSES, QueueWitness
-from router.speedmodel import MAX_FORGETTING, Params, SpeedModel, band
+from router.queuelimit import QueueWitness
+from router.speedmodel import Params, SpeedModel, band
+from router.tuning import DEFAULT, Tuning
 
 S1, S2, B1 = "http://s1:1", "http://s2:1", "http://b1:1"
 # Seconds per token per request at n running, alpha + beta*n, near the shipped TP8 profiles' curves.
@@ -237,24 +238,23 @@ def test_memory_grows_with_the_requests_scatter():
     feed(quiet, SEED_BASE, 200, random.Random(1), noise=0.05)
     scattered(loud, SEED_SPEC, 200, random.Random(1))
     assert quiet.memory() == 0.99
-    assert loud.spread > 0.3 and 0.995 < loud.memory() <= MAX_FORGETTING
+    assert loud.spread > 0.3 and 0.995 < loud.memory() <= DEFAULT.max_forgetting
 
 
-def test_a_scattered_server_is_known_better_with_the_longer_memory(monkeypatch):
+def test_a_scattered_server_is_known_better_with_the_longer_memory():
     """30 servers whose requests scatter like prefill-long's (per-request acceptance, sd ~50%), 600 requests at
     1-8 running: at 8 running the model's worst-but-three error over the seeds. With the configured forgetting
     alone (0.99: ~100 samples' memory) it is ~1.5x larger."""
-    def worst(seeds=range(30)):
+    def worst(seeds=range(30), tuning=DEFAULT):
         errs = []
         for seed in seeds:
-            m = SpeedModel(0.99)
+            m = SpeedModel(0.99, tuning=tuning)
             scattered(m, SEED_SPEC, 600, random.Random(seed))
             errs.append(abs(m.params().throughput(8) / tput(SEED_SPEC, 8) - 1))
         return sorted(errs)[-4]
 
     longer = worst()
-    monkeypatch.setattr(speedmodel, "MAX_FORGETTING", 0.99)
-    assert longer < 0.1 and longer < 0.8 * worst()
+    assert longer < 0.1 and longer < 0.8 * worst(tuning=Tuning(max_forgetting=0.99))
 
 
 def test_a_scattered_server_still_follows_a_step_change():
@@ -387,7 +387,7 @@ def test_what_a_request_says_of_its_server_around_the_queue(case, at_start, at_e
 def test_a_request_queued_then_drained_teaches_nothing():
     pol = Adaptive()
     for key in ("baseline", B1):
-        pol.model(key, "baseline").max_running = 64
+        pol.speeds.model(key, "baseline").max_running = 64
     pol.observe(Observation("baseline", B1, 100, 5, 10.0, 4.0, 500, 50, True, inflight_mean=60.0))
     assert pol.pool_model("baseline").samples == 0
     pol.observe(Observation("baseline", B1, 100, 90, 10.0, 4.0, 500, 50, True, inflight_mean=95.0))
@@ -409,12 +409,12 @@ def test_no_flapping_under_noise():
     pol = trained()
     rng = random.Random(8)
     changes = 0
-    before = dict(pol.published)
+    before = dict(pol.speeds.published)
     for _ in range(2000):
         pol.observe(obs("speculative", S1, rng.randint(5, 15), GOOD_SPEC, rng, noise=0.3))
         pol.observe(obs("baseline", B1, rng.randint(5, 15), SEED_BASE, rng, noise=0.3))
-        changes += sum(pol.published[k] is not before.get(k) for k in ("speculative", "baseline"))
-        before = dict(pol.published)
+        changes += sum(pol.speeds.published[k] is not before.get(k) for k in ("speculative", "baseline"))
+        before = dict(pol.speeds.published)
     assert changes < 200  # of 4000 updates
     assert place(pol, 10) == place(trained(), 10)
 
@@ -425,7 +425,7 @@ def test_exploration_is_rare_and_only_where_cheap():
     cheap = Counter(pol.decide(view(1, 0), rng).reason for _ in range(2000))
     assert 0.02 * 2000 < cheap[EXPLORE] < 0.08 * 2000
     pol = trained(SEED_SPEC, explore=0.05)
-    pol.last_seen = {"speculative": 10**9, "baseline": 10**9}  # nothing is stale
+    pol.explorer.last_seen = {"speculative": 10**9, "baseline": 10**9}  # nothing is stale
     dear = Counter(pol.decide(view(0, 40), rng).reason for _ in range(200))  # the other pool is far worse?
     assert dear[EXPLORE] <= 0.08 * 200
 
@@ -462,32 +462,32 @@ def learned_busy(spec) -> tuple[Adaptive, random.Random]:
 
 def test_light_load_measures_both_pools_alone_before_trusting_the_line():
     # Learned at 5-15 running only: neither pool was ever measured alone. At light load the pool not picked
-    # gets LOW_LOAD_EXPLORE of the decisions until it has LOW_LOAD_SAMPLES there (more, its requests scattering by 15%: 11.25,
+    # gets DEFAULT.low_load_explore of the decisions until it has DEFAULT.low_load_samples there (more, its requests scattering by 15%: 11.25,
     # what knows its mean as well as 5 of requests scattering by 10%), then only the usual share.
     pol, rng = learned_busy(SEED_SPEC)
     first = Counter(pol.decide(view(0, 0), rng).reason for _ in range(400))
-    assert (LOW_LOAD_EXPLORE - 0.1) * 400 < first[EXPLORE] < (LOW_LOAD_EXPLORE + 0.1) * 400
+    assert (DEFAULT.low_load_explore - 0.1) * 400 < first[EXPLORE] < (DEFAULT.low_load_explore + 0.1) * 400
     alt = "speculative" if place(pol, 1) == 0 else "baseline"
     idle = view(0, 0)
     b = (idle.speculative if alt == "speculative" else idle.baseline)[0]
-    m, short_checked = pol.models[alt], False
+    m, short_checked = pol.speeds.models[alt], False
     # The count asked for follows the spread as the samples come in (it is re-estimated with each of them).
-    for _ in range(3 * LOW_LOAD_SAMPLES + 1):
+    for _ in range(3 * DEFAULT.low_load_samples + 1):
         m.fit()
-        needed, have = pol.low_load_samples(b), m.band_samples(1)
-        assert 1.5 * LOW_LOAD_SAMPLES <= needed <= 3 * LOW_LOAD_SAMPLES
+        needed, have = pol.explorer.low_load_samples(b), m.band_samples(1)
+        assert 1.5 * DEFAULT.low_load_samples <= needed <= 3 * DEFAULT.low_load_samples
         if have >= needed:
             break
         other_b = (idle.baseline if alt == "speculative" else idle.speculative)[0]
         # Explored while it could be the faster and costs little (the policy's two other conditions).
-        alt_speed, pick_speed = pol.score(b)[0], pol.score(other_b)[0]
-        if pol.plausible(b, alt_speed, other_b, pick_speed) and alt_speed >= EXPLORE_FLOOR * pick_speed:
+        alt_speed, pick_speed = pol.rule.score(b)[0], pol.rule.score(other_b)[0]
+        if pol.explorer.plausible(b, alt_speed, other_b, pick_speed) and alt_speed >= DEFAULT.explore_floor * pick_speed:
             short = Counter(pol.decide(idle, rng).reason for _ in range(400))
-            assert short[EXPLORE] > (LOW_LOAD_EXPLORE - 0.1) * 400  # samples short (one, at the last pass): still explored
+            assert short[EXPLORE] > (DEFAULT.low_load_explore - 0.1) * 400  # samples short (one, at the last pass): still explored
             short_checked = True
         pol.observe(obs(alt, S1 if alt == "speculative" else B1, 1, SEED_SPEC if alt == "speculative" else SEED_BASE,
                         rng))
-    assert short_checked and m.band_samples(1) >= pol.low_load_samples(b)
+    assert short_checked and m.band_samples(1) >= pol.explorer.low_load_samples(b)
     later = Counter(pol.decide(idle, rng).reason for _ in range(400))
     assert later[EXPLORE] < 0.08 * 400
     # heavier load: the usual share only
@@ -503,12 +503,12 @@ def learned(spec, base, rng, spec_noise=0.0, alone=0) -> Adaptive:
         pol.observe(obs("speculative", S1, n, spec, rng, noise=spec_noise))
         pol.observe(obs("baseline", B1, n, base, rng, noise=0.0))
     for n in (1, 2, 3):
-        for _ in range(LOW_LOAD_SAMPLES):
+        for _ in range(DEFAULT.low_load_samples):
             pol.observe(obs("baseline", B1, n, base, rng, noise=0.0))
     for i in range(alone):  # scattered by +-noise, +-noise/2, exactly around the truth
         y = truth(spec, 1) * (1 + spec_noise * (-1, 1, -0.5, 0.5)[i % 4])
         pol.observe(Observation("speculative", S1, 1, 1, y * 200, y * 10, 200, 100, True))
-    for m in pol.models.values():
+    for m in pol.speeds.models.values():
         m.fit()
     return pol
 
@@ -520,7 +520,7 @@ def test_light_load_exploration_only_where_the_throughput_cost_is_small():
     # (at 50%, the TP4+TP4 split at 2 clients served 0.92x of one each).
     spec, base = (0.00148, 0.00055), (0.00161, 0.000262)
     pol = learned(spec, base, random.Random(5))
-    assert pol.models["speculative"].band_samples(2) < LOW_LOAD_SAMPLES
+    assert pol.speeds.models["speculative"].band_samples(2) < DEFAULT.low_load_samples
     got = Counter(decide(pol, view(1, 0), None, random.Random(i)).reason for i in range(400))
     assert got[EXPLORE] < 0.08 * 400
 
@@ -542,14 +542,14 @@ def test_light_load_exploration_only_where_the_other_pool_would_run_alone_or_bes
                                                       (0.12, 400, "baseline")])
 def test_a_light_load_tie_is_as_wide_as_the_models_are_unsure(noise, alone, pool):
     # One request on the baseline, the speculative server idle; the speculative one alone 10% slower per request
-    # than the baseline with two: beyond NEAR_TIE (3%) the faster wins. Its requests scattering by 12% and
+    # than the baseline with two: beyond Tuning.near_tie (3%) the faster wins. Its requests scattering by 12% and
     # eight of them measured alone, its speed alone is known to ~5%: a tie, which the throughput gain decides
     # (one each). A full band window (128) measured: known to ~1.2%, a tie within 5.4%.
     base = SEED_BASE
     t2 = truth(base, 2)
     spec = (t2 * 1.1 - 0.002, 0.002)  # alone: 10% slower than the baseline with two
     pol = learned(spec, base, random.Random(7), spec_noise=noise, alone=alone)
-    pol.explore = 0.0
+    pol.explorer.explore = 0.0
     d = decide(pol, view(0, 1), None, random.Random(1))
     assert d.pool == pool
 
@@ -572,7 +572,7 @@ def test_a_busy_tie_goes_to_the_server_whose_requests_scatter_less(spec_mult, sp
         pol.observe(obs("speculative", S1, n, spec, rng, noise=spec_noise))
         pol.observe(obs("baseline", B1, n + 30, base, rng, noise=0.01))
     loads = view(20, 50)
-    sp, bp = pol.params(loads.speculative[0]), pol.params(loads.baseline[0])
+    sp, bp = pol.speeds.params(loads.speculative[0]), pol.speeds.params(loads.baseline[0])
     # What the learned models say: the speculative server faster per request, by less or more than the tie.
     assert gap[0] < sp.request_speed(20) / bp.request_speed(50) - 1 < gap[1]
     assert decide(pol, loads, None, random.Random(1)).pool == pool
@@ -589,7 +589,7 @@ def test_a_pool_still_borrowing_the_other_model_is_exactly_that_model():
         y = truth(SEED_SPEC, n) * (0.9 if n == 1 else 1.0) * (1 + rng.gauss(0, 0.01))
         pol.observe(Observation("speculative", S1, n, n, y * 100, y, 100, 50, True))
     v = view(0, 0)
-    assert pol.params(v.baseline[0]).token_time(1) == pol.params(v.speculative[0]).token_time(1)
+    assert pol.speeds.params(v.baseline[0]).token_time(1) == pol.speeds.params(v.speculative[0]).token_time(1)
     assert decide(pol, v, None, random.Random(1)).pool == "baseline"
 
 
@@ -610,7 +610,7 @@ def test_busy_decisions_on_young_models_go_to_the_less_loaded_backend():
     """Until the models hold YOUNG_SAMPLES samples in all, a busy decision goes to the less loaded backend whatever
     they say (a line through a few samples, extrapolated); from then on the models decide, and at light load they
     decide from the first samples. mutmut: the rule dropped, kept past YOUNG_SAMPLES, or applied at light load."""
-    from router.adaptive import LOW_LOAD, YOUNG_SAMPLES
+    LOW_LOAD, YOUNG_SAMPLES = DEFAULT.low_load, DEFAULT.young_samples
 
     pol = Adaptive(explore=0.0)
     rng = random.Random(4)
@@ -619,7 +619,7 @@ def test_busy_decisions_on_young_models_go_to_the_less_loaded_backend():
         pool, url, ab = ("speculative", S1, fast) if i % 2 else ("baseline", B1, slow)
         pol.observe(obs(pool, url, 1 + i % 4, ab, rng, noise=0.02))
     busy, light = view(LOW_LOAD + 2, LOW_LOAD), view(1, 0)
-    assert pol.score(busy.speculative[0])[0] > 1.5 * pol.score(busy.baseline[0])[0]
+    assert pol.rule.score(busy.speculative[0])[0] > 1.5 * pol.rule.score(busy.baseline[0])[0]
     assert decide(pol, busy, None, rng).pool == "baseline"
     assert decide(pol, view(LOW_LOAD, LOW_LOAD + 2), None, rng).pool == "speculative"
     assert decide(pol, light, None, rng).pool == "speculative"
@@ -654,7 +654,7 @@ def test_loads_figures_set_the_queue_and_an_accept_drop_rescales_the_model_at_on
             pol.observe_loads(S1, "speculative", LoadFigures(running, 0, tput(GOOD_SPEC, running) / 5, 2.6, 48))
     m = pol.pool_model("speculative")
     assert m.samples == 40  # the requests only
-    assert m.max_running == 48 and pol.params(view().speculative[0]).max_running == 48
+    assert m.max_running == 48 and pol.speeds.params(view().speculative[0]).max_running == 48
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)
     pol.observe_loads(S1, "speculative", LoadFigures(8, 0, 0.0, 1.6, 48))
     assert m.params().throughput(16) == pytest.approx(tput(GOOD_SPEC, 16), rel=0.03)  # one poll: a blip
@@ -779,7 +779,7 @@ async def test_router_state_needs_the_api_key_when_one_is_set(sim_factory, route
 # ---------------------------------------------------------------- settings
 
 def test_adaptive_settings():
-    from router.app import make_policy
+    from router.policies import make_policy
     from router.settings import ConfigError, load_settings
 
     s = load_settings(None, {"baseline": "http://b:1", "speculative": "http://s:1", "policy": "adaptive",
@@ -803,7 +803,7 @@ def saturating(n):
 
 def test_a_saturating_server_is_learned_as_a_curve_that_never_falls():
     """A step cost that saturates is concave in n: a line through it is fast at the ends and slow in the middle,
-    and one factor per band made the curve a sawtooth (the s30 judge's learned baseline of saturating-never ran
+    and one factor per band made the curve a sawtooth (an earlier judge's learned baseline of saturating-never ran
     faster at 16 running than at 12, in all three repeats). Through the bands' points it never falls."""
     rng = random.Random(11)
     m = SpeedModel(0.99)
@@ -868,7 +868,7 @@ def test_the_running_mix_of_a_scattered_server_is_no_drift_but_a_real_drop_is():
         n = rng.choice([1, 2, 4, 8])
         pol.observe(scattered_obs("speculative", S1, n, GOOD_SPEC, rng))
     m = pol.pool_model("speculative")
-    assert pol.spread(view().speculative[0]) > 0.4
+    assert pol.speeds.spread(view().speculative[0]) > 0.4
     pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, 2.4, 16))  # the figure it is scaled at
     before = m.params().throughput(4)
     swings = 0
@@ -892,23 +892,23 @@ def test_one_slow_request_does_not_rule_a_server_out_and_its_copy_is_not_kept():
     rng = random.Random(1)
     idle = view(0, 0)
     spec_b, base_b = idle.speculative[0], idle.baseline[0]
-    y = per_prompt(GOOD_SPEC, 1, 1.2)  # 2x its mean token time: still within EXPLORE_FLOOR of the baseline
+    y = per_prompt(GOOD_SPEC, 1, 1.2)  # 2x its mean token time: still within DEFAULT.explore_floor of the baseline
     pol.observe(Observation("speculative", S1, 1, 1, y * 96, y * 4, 96, 8, True))
     for _ in range(20):
         pol.observe(obs("baseline", B1, 1, SEED_BASE, rng, noise=0.01))
-    assert pol.score(spec_b)[0] < pol.score(base_b)[0]
-    assert pol.plausible(spec_b, pol.score(spec_b)[0], base_b, pol.score(base_b)[0])
-    assert Counter(pol.decide(idle, rng).reason for _ in range(200))[EXPLORE] > (LOW_LOAD_EXPLORE - 0.1) * 200
+    assert pol.rule.score(spec_b)[0] < pol.rule.score(base_b)[0]
+    assert pol.explorer.plausible(spec_b, pol.rule.score(spec_b)[0], base_b, pol.rule.score(base_b)[0])
+    assert Counter(pol.decide(idle, rng).reason for _ in range(200))[EXPLORE] > (DEFAULT.low_load_explore - 0.1) * 200
     for _ in range(15):
         pol.observe(scattered_obs("speculative", S1, 1, GOOD_SPEC, rng))
-    assert pol.score(spec_b)[0] > pol.score(base_b)[0]  # the server is faster alone: 2.4/E[1/A] of it
+    assert pol.rule.score(spec_b)[0] > pol.rule.score(base_b)[0]  # the server is faster alone: 2.4/E[1/A] of it
     assert Counter(pol.decide(idle, rng).pool for _ in range(200))["speculative"] > 150
 
 
 def test_light_load_explores_a_slower_scattered_server_about_as_often_as_it_could_still_win():
     """One client, two servers whose requests scatter by 40% (the llama.cpp pair's prompts): the speculative one
     25% slower. While it is plausible it is explored at the chance it is the faster (Thompson sampling), not half
-    the time: a flat half sent it a third to a half of one client's first 64 requests (docs/BENCH.md "s39"). And
+    the time: a flat half sent it a third to a half of one client's first 64 requests (docs/BENCH.md "How the learned policy was designed and what the evidence says"). And
     as that chance falls with the samples, so does the share."""
     pol = Adaptive(explore=0.03)
     rng = random.Random(2)
@@ -928,12 +928,12 @@ def test_light_load_explores_a_slower_scattered_server_about_as_often_as_it_coul
             pol.observe(draw("speculative", S1, 1.25))
         while pol.pool_model("baseline").samples < base_n:
             pol.observe(draw("baseline", B1, 1.0))
-        s_speed, b_speed = pol.score(spec_b)[0], pol.score(base_b)[0]
-        assert s_speed < b_speed and pol.plausible(spec_b, s_speed, base_b, b_speed)
-        chance = pol.chance(spec_b, s_speed, base_b, b_speed)
+        s_speed, b_speed = pol.rule.score(spec_b)[0], pol.rule.score(base_b)[0]
+        assert s_speed < b_speed and pol.explorer.plausible(spec_b, s_speed, base_b, b_speed)
+        chance = pol.explorer.chance(spec_b, s_speed, base_b, b_speed)
         got = Counter(pol.decide(idle, rng).reason for _ in range(2000))[EXPLORE] / 2000
         assert got == pytest.approx(chance, abs=0.05)  # the light-load chance (and, rarely, the usual 3%)
-        assert got < LOW_LOAD_EXPLORE - 0.15
+        assert got < DEFAULT.low_load_explore - 0.15
         shares.append(got)
     assert shares[1] < shares[0]
     # Two servers alike (the same draws): either could be the faster, and the other is explored as often as before.
@@ -942,10 +942,10 @@ def test_light_load_explores_a_slower_scattered_server_about_as_often_as_it_coul
     for _ in range(12):
         even.observe(draw("speculative", S1, 1.0))
         even.observe(draw("baseline", B1, 1.0))
-    s_speed, b_speed = even.score(spec_b)[0], even.score(base_b)[0]
-    assert s_speed == b_speed and even.chance(spec_b, s_speed, base_b, b_speed) == LOW_LOAD_EXPLORE
+    s_speed, b_speed = even.rule.score(spec_b)[0], even.rule.score(base_b)[0]
+    assert s_speed == b_speed and even.explorer.chance(spec_b, s_speed, base_b, b_speed) == DEFAULT.low_load_explore
     tried = Counter(even.decide(idle, rng).reason for _ in range(2000))[EXPLORE] / 2000
-    assert tried == pytest.approx(LOW_LOAD_EXPLORE, abs=0.05)
+    assert tried == pytest.approx(DEFAULT.low_load_explore, abs=0.05)
 
 
 def test_loads_a_fraction_of_a_request_apart_do_not_make_a_slope():
@@ -958,14 +958,14 @@ def test_loads_a_fraction_of_a_request_apart_do_not_make_a_slope():
         m.update(1.0, truth(GOOD_SPEC, 1) * (1 + rng.gauss(0, 0.3)))
     m.update(1.13, truth(GOOD_SPEC, 1) * 2)
     m.update(1.14, truth(GOOD_SPEC, 1) * 2)
-    assert m.params().token_time(2) < (1 + speedmodel.SLOPE_PRIOR) * m.params().token_time(1)
+    assert m.params().token_time(2) < (1 + DEFAULT.slope_prior) * m.params().token_time(1)
 
 
 def test_a_few_requests_a_whole_request_apart_make_a_slope():
     """A server that serves one request at a time (llama-cpp-python's), at one client with now and then a second
     request queued behind the first: those took twice as long. The slope follows them, not the prior's shape
     (5% a request): under the hard switch it kept, the second request looked nearly free and a judge level at two
-    clients queued three of every four requests on one engine beside an idle one (0.69x; docs/BENCH.md "s39")."""
+    clients queued three of every four requests on one engine beside an idle one (0.69x; docs/BENCH.md "How the learned policy was designed and what the evidence says")."""
     m = SpeedModel(0.99)
     rng = random.Random(2)
     alone = 0.05
@@ -993,7 +993,7 @@ def test_a_busy_tie_within_the_models_uncertainty_goes_to_the_steadier_server():
 
     busy = view(10, 10)
     near = taught(0.97)
-    assert near.score(busy.speculative[0])[0] > near.score(busy.baseline[0])[0]
+    assert near.rule.score(busy.speculative[0])[0] > near.rule.score(busy.baseline[0])[0]
     assert decide(near, busy, None, rng).pool == "baseline"
     apart = taught(0.7)
     assert decide(apart, busy, None, rng).pool == "speculative"
@@ -1002,9 +1002,9 @@ def test_a_busy_tie_within_the_models_uncertainty_goes_to_the_steadier_server():
     slower = taught(1.06)
     assert decide(slower, busy, None, rng).pool == "baseline"
     slower.observe_loads(B1, "baseline", LoadFigures(10, 0, None, None, 10))
-    assert slower.queues(busy.baseline[0]) and not slower.queues(busy.speculative[0])
-    s_speed, b_speed = slower.score(busy.speculative[0])[0], slower.score(busy.baseline[0])[0]
-    assert s_speed > b_speed and s_speed - b_speed <= slower.tie(busy.speculative[0], busy.baseline[0]) * s_speed
+    assert slower.speeds.queues(busy.baseline[0]) and not slower.speeds.queues(busy.speculative[0])
+    s_speed, b_speed = slower.rule.score(busy.speculative[0])[0], slower.rule.score(busy.baseline[0])[0]
+    assert s_speed > b_speed and s_speed - b_speed <= slower.rule.tie(busy.speculative[0], busy.baseline[0]) * s_speed
     assert decide(slower, busy, None, rng).pool == "speculative"
 
 
@@ -1027,13 +1027,13 @@ def test_a_busy_tie_stays_with_the_faster_mean_while_the_scattering_server_is_li
 
     def gap_and_tie(v):
         s, b = v.speculative[0], v.baseline[0]
-        return pol.score(s)[0] / pol.score(b)[0] - 1, pol.tie(s, b)
+        return pol.rule.score(s)[0] / pol.rule.score(b)[0] - 1, pol.rule.tie(s, b)
 
     light, busy = view(2, 7), view(4, 10)
     for v in (light, busy):
         gap, tie = gap_and_tie(v)
         assert 0.03 < gap < tie  # faster on the speculative server, by less than the models can tell
-    assert pol.spread(light.speculative[0]) > 0.05 and pol.spread(light.baseline[0]) < 0.01
+    assert pol.speeds.spread(light.speculative[0]) > 0.05 and pol.speeds.spread(light.baseline[0]) < 0.01
     assert decide(pol, light, None, random.Random(1)).pool == "speculative"
     assert decide(pol, busy, None, random.Random(1)).pool == "baseline"
 
@@ -1041,7 +1041,7 @@ def test_a_busy_tie_stays_with_the_faster_mean_while_the_scattering_server_is_li
 def test_the_first_accept_figure_is_not_the_anchor_a_drift_is_judged_against():
     """A scattered server's first figures, before its model has the samples to measure its spread: one low
     poll (1.5: its 4 running drew badly) then 2.6 twice. Judged against the first poll, that was a 73% jump and
-    rescaled the model 1.7x fast for good (prefill-long, docs/BENCH.md "s32"). The anchor is the mean of the
+    rescaled the model 1.7x fast for good (prefill-long, docs/BENCH.md "How the learned policy was designed and what the evidence says"). The anchor is the mean of the
     first 10 figures; a real drop after them still rescales the model on its second poll."""
     pol = Adaptive(explore=0.0)
     rng = random.Random(4)
@@ -1052,7 +1052,7 @@ def test_the_first_accept_figure_is_not_the_anchor_a_drift_is_judged_against():
     for x in (1.5, 2.6, 2.6, 2.4, 2.7, 2.5, 2.6, 2.3, 2.6, 2.5, 2.6, 2.4):
         pol.observe_loads(S1, "speculative", LoadFigures(4, 0, None, x, 16))
     assert m.params().throughput(4) == before
-    anchor = pol.anchor[S1]
+    anchor = pol.drift.anchor[S1]
     assert anchor == pytest.approx(2.5, abs=0.15)
     pol.observe_loads(S1, "speculative", LoadFigures(16, 0, None, 1.25, 16))
     assert m.params().throughput(4) == before  # one poll: a blip
@@ -1080,14 +1080,14 @@ def test_a_scattered_servers_well_measured_band_is_as_sure_as_the_line_it_is_shr
     busy = view(3, 4)
     s, b = busy.speculative[0], busy.baseline[0]
     apart = taught(0.16)
-    assert apart.spread(s) > 0.4 and apart.spread(b) < 0.01
-    assert apart.models["speculative"].band_samples(4) >= 60
-    gap = apart.score(s)[0] / apart.score(b)[0] - 1
-    assert 0.07 < gap < 0.17 and gap > apart.tie(s, b)
+    assert apart.speeds.spread(s) > 0.4 and apart.speeds.spread(b) < 0.01
+    assert apart.speeds.models["speculative"].band_samples(4) >= 60
+    gap = apart.rule.score(s)[0] / apart.rule.score(b)[0] - 1
+    assert 0.07 < gap < 0.17 and gap > apart.rule.tie(s, b)
     assert decide(apart, busy, None, random.Random(1)).pool == "speculative"
     near = taught(0.02)
-    gap = near.score(s)[0] / near.score(b)[0] - 1
-    assert abs(gap) < near.tie(s, b)
+    gap = near.rule.score(s)[0] / near.rule.score(b)[0] - 1
+    assert abs(gap) < near.rule.tie(s, b)
     assert decide(near, busy, None, random.Random(1)).pool == "baseline"
 
 
@@ -1099,23 +1099,23 @@ def test_a_scattered_servers_light_band_is_as_unsure_as_its_own_samples():
     estimate is shrunk toward (~4%), the baseline took both (0.937x of the best split in a real-judge repeat)."""
     spec = (truth(SEED_BASE, 2) * 1.08 - 0.002, 0.002)
     pol = learned(spec, SEED_BASE, random.Random(7), spec_noise=0.3, alone=8)
-    pol.explore = 0.0
+    pol.explorer.explore = 0.0
     light = view(0, 1)
     s, b = light.speculative[0], light.baseline[0]
-    assert pol.models["speculative"].band_samples(1) == 8 and pol.spread(s) > 0.25
-    assert pol.stderr(s) == pytest.approx(pol.spread(s) / math.sqrt(8), rel=0.1)
-    gap = pol.score(b)[0] / pol.score(s)[0] - 1
-    assert 0.05 < gap < pol.tie(s, b)
+    assert pol.speeds.models["speculative"].band_samples(1) == 8 and pol.speeds.spread(s) > 0.25
+    assert pol.speeds.stderr(s) == pytest.approx(pol.speeds.spread(s) / math.sqrt(8), rel=0.1)
+    gap = pol.rule.score(b)[0] / pol.rule.score(s)[0] - 1
+    assert 0.05 < gap < pol.rule.tie(s, b)
     assert decide(pol, light, None, random.Random(1)).pool == "speculative"
     busy = view(5, 5)  # among its 200: the band's estimate and its uncertainty are mostly the line's
-    assert pol.stderr(busy.speculative[0]) < 0.8 * pol.spread(s) / math.sqrt(pol.models["speculative"].band_samples(6))
+    assert pol.speeds.stderr(busy.speculative[0]) < 0.8 * pol.speeds.spread(s) / math.sqrt(pol.speeds.models["speculative"].band_samples(6))
 
 
 # ---------------------------------------------------------------- a queue limit no /v1/loads reports
 
 def test_queue_witness_infers_a_serial_server_and_a_batching_one_lifts_it():
     w = QueueWitness()
-    for _ in range(QUEUE_WITNESSES - 1):
+    for _ in range(DEFAULT.queue_witnesses - 1):
         w.note(2, 0)  # sent beside one, and nothing else ran when its first token came
         assert w.limit() is None
     w.note(1, 0)  # sent alone: it could have shown nothing
@@ -1124,11 +1124,11 @@ def test_queue_witness_infers_a_serial_server_and_a_batching_one_lifts_it():
     assert w.limit() == 1
     w.note(2, 1)  # seen running beside another: not serial after all, and not yet known to stop at 2
     assert w.most == 2 and w.limit() is None
-    for _ in range(QUEUE_WITNESSES):
+    for _ in range(DEFAULT.queue_witnesses):
         w.note(3, 1)
     assert w.limit() == 2
     # A batching server whose other request sometimes ends during a long prefill: one sighting of both running
-    # ends the count, and it never reaches QUEUE_WITNESSES in a row here.
+    # ends the count, and it never reaches DEFAULT.queue_witnesses in a row here.
     rng = random.Random(4)
     b = QueueWitness()
     for _ in range(500):
@@ -1178,7 +1178,7 @@ def test_two_serial_servers_without_v1_loads_are_learned_to_queue_and_two_client
     the first to end. Until a server is seen running two at once the router counts a second request there as
     queued (Adaptive.provisional), and one seen three times not to infers its limit (router.queuelimit); at two
     clients it then stops sending a second request behind the first on one server beside an idle one (the llama.cpp
-    pair's two clients sent 25-38% to the speculative engine where the best sent 38-62%: docs/BENCH.md "s40").
+    pair's two clients sent 25-38% to the speculative engine where the best sent 38-62%: docs/BENCH.md "How the learned policy was designed and what the evidence says").
     From a cold start, 60 requests each, 20 seeds. Without streams (nothing seen running) the line's GPU-like slope
     prices a second request at nearly its speed alone."""
     shares = {}
@@ -1188,7 +1188,7 @@ def test_two_serial_servers_without_v1_loads_are_learned_to_queue_and_two_client
             pol = Adaptive(explore=0.03)
             got.append(serial_pair(pol, random.Random(seed), 60, witness))
             for p, url in (("speculative", S1), ("baseline", B1)):
-                w = pol.witness.get(url)
+                w = pol.speeds.witness.get(url)
                 # a limit exactly where three requests sent behind another showed no more running
                 assert pol.pool_model(p).max_running == (1 if w is not None and w.tries >= 3 else None)
                 assert (w is not None) == witness
@@ -1208,13 +1208,13 @@ def test_a_second_request_is_not_sent_behind_the_first_once_the_server_is_known_
             pol.observe(Observation(pool, url, 1, 1, y * 24, y * 4, 24, 24, True))
     busy = view(0, 1)
     assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] > 200  # behind the one running
-    for _ in range(QUEUE_WITNESSES):
+    for _ in range(DEFAULT.queue_witnesses):
         pol.observe(Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, running_beside=0))
     assert pol.pool_model("baseline").max_running == 1
     assert pol.state(busy)["backends"][1]["max_running_from"] == "inferred"
     # Priced at its wait, a queued request adds no throughput and is not explored; only the rare exploration of a
     # pool unheard of for a while is left (`explore`, 3%).
-    assert pol.score(busy.baseline[0])[1] == 0.0
+    assert pol.rule.score(busy.baseline[0])[1] == 0.0
     assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] < 25
     # A /v1/loads figure wins over what was inferred, and ends the inferring.
     pol.observe_loads(B1, "baseline", LoadFigures(0, 0, None, None, 8))
@@ -1235,17 +1235,17 @@ def test_a_server_not_yet_seen_running_two_is_priced_as_if_a_second_request_woul
             pol.observe(Observation(pool, url, 1, 1, y * 24, y * 4, 24, 24, True, running_beside=0))
     busy = view(0, 1)
     assert pol.pool_model("baseline").max_running is None  # nothing inferred: no request was sent behind another
-    assert pol.params(busy.baseline[0]).max_running == 1 and pol.score(busy.baseline[0])[1] == 0.0
+    assert pol.speeds.params(busy.baseline[0]).max_running == 1 and pol.rule.score(busy.baseline[0])[1] == 0.0
     assert Counter(pol.decide(busy, rng).pool for _ in range(400))["speculative"] > 370
     # Seen running two at once: a batching server, priced by its line (1.3x alone, nearly as fast beside one).
     pol.observe(Observation("baseline", B1, 2, 2, 24 * 0.05, 0.2, 24, 24, True, running_beside=1))
-    assert pol.params(busy.baseline[0]).max_running == 2 and pol.score(busy.baseline[0])[1] > 0.0
+    assert pol.speeds.params(busy.baseline[0]).max_running == 2 and pol.rule.score(busy.baseline[0])[1] > 0.0
     # (a share, not all: one sample at two running leaves that band unsure, and the idle one is explored)
     assert Counter(pol.decide(busy, rng).pool for _ in range(400))["baseline"] > 120
     # Without streams (running_beside None: nothing seen) nothing is bounded.
     cold = Adaptive(explore=0.03)
     cold.observe(Observation("baseline", B1, 1, 1, 1.0, 0.2, 24, 24, True))
-    assert cold.params(busy.baseline[0]).max_running is None
+    assert cold.speeds.params(busy.baseline[0]).max_running is None
 
 
 async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_factory):
@@ -1263,7 +1263,7 @@ async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_fa
                 extra_headers={"X-Router-Pool": "baseline"})
             assert [c async for c in stream]
 
-        for _ in range(2 * QUEUE_WITNESSES):
+        for _ in range(2 * DEFAULT.queue_witnesses):
             await asyncio.gather(one(), one())
     async with aiohttp.ClientSession() as s, s.get(router.url + "/router/state") as r:
         backends = {b["pool"]: b for b in (await r.json())["model"]["backends"]}
@@ -1275,7 +1275,7 @@ async def test_a_batching_server_is_not_inferred_to_queue(sim_factory, router_fa
 def test_a_request_queued_for_the_one_place_is_a_sample_of_its_prefill_and_decode():
     """One place on the backend: the release just before its first token let it start, so its time from then on is
     the server's for it, prefill included. Its decode alone left out the llama.cpp pair's prefill, most of a
-    request there: both engines were learned 5-41% fast alone after a warm-up (docs/BENCH.md "s40"). With more
+    request there: both engines were learned 5-41% fast alone after a warm-up (docs/BENCH.md "How the learned policy was designed and what the evidence says"). With more
     places other requests end during its prefill too, and the decode alone stays its sample."""
     queued = Observation("baseline", B1, 2, 1, 3.0, 1.6, 24, 24, True, waited_s=1.0)  # waited 1.0 s, prefill 0.6 s
     assert sample(queued, 1) == (1.0, pytest.approx(2.0 / 24))

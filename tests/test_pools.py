@@ -19,13 +19,14 @@ from router.observe import OK, REFUSED, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig
 from router.policy import BackendLoad
 from router.pools import Pools
+from tests.fixtures_policy import policy_of
 
 S1, S2, B1, B2 = "http://s1:1", "http://s2:1", "http://b1:1", "http://b2:1"
 
 
-def pools(spec=(S1,), base=(B1,), registry: CollectorRegistry | None = None, keys=None, policy="spillover",
+def pools(spec=(S1,), base=(B1,), registry: CollectorRegistry | None = None, keys=None, policy=None,
           **cfg) -> Pools:
-    p = Pools(list(spec), list(base), policy=policy, threshold=100, keys=keys, rng=random.Random(3),
+    p = Pools(list(spec), list(base), policy=policy or policy_of("spillover", threshold=100), threshold=100, keys=keys, rng=random.Random(3),
               outlier_cfg=OutlierConfig(**{"consecutive_errors": 3, "base_s": 30.0, "trial_requests": 2, **cfg}))
     if registry is not None:
         exporter.bind(Metrics(registry), p)
@@ -250,13 +251,13 @@ def test_releasing_to_zero_is_quiet_and_a_stray_release_is_loud(caplog):
 
 
 def test_pools_defaults_and_settings_reach_the_policy():
-    """Default threshold 0 never speculates; the hysteresis given reaches the global policy. mutmut: Pools'
-    `threshold: int = 0` / `hysteresis: int = 0` defaults, `hysteresis=hysteresis` -> None or dropped."""
-    p = Pools([S1], [B1], policy="spillover")
+    """Threshold 0 never speculates; the hysteresis given reaches the global policy (built by
+    router.policies.make_policy, the one builder). mutmut: `hysteresis=hysteresis` -> None or dropped."""
+    p = Pools([S1], [B1], policy=policy_of("spillover", threshold=0))
     for b in p.backends:
         b.probe_ok(1)
     assert p.acquire()[1].url == B1
-    g = Pools([S1], [B1], policy="global", threshold=2)
+    g = Pools([S1], [B1], policy=policy_of("global", threshold=2), threshold=2)
     for b in g.backends:
         b.probe_ok(1)
     held = [g.acquire()[0] for _ in range(2)]  # s, s -> 2 in flight: above
@@ -264,7 +265,7 @@ def test_pools_defaults_and_settings_reach_the_policy():
     for lease in held:
         lease.release()
     assert g.acquire()[1].url == S1  # 1 in flight (the baseline one) is below 2 - 0: back at once
-    h = Pools([S1], [B1], policy="global", threshold=2, hysteresis=1)
+    h = Pools([S1], [B1], policy=policy_of("global", threshold=2, hysteresis=1), threshold=2)
     for b in h.backends:
         b.probe_ok(1)
     held = [h.acquire()[0] for _ in range(3)]  # s, s, then b
@@ -376,7 +377,7 @@ def test_a_lease_knows_the_mean_load_its_request_ran_under(monkeypatch):
     integral misses a change (a lease or release that does not tick) or counts the wrong interval."""
     now = [100.0]
     monkeypatch.setattr(pools_mod, "clock", lambda: now[0])
-    b = Pools(["http://s:1"], [], policy="spillover").backends[0]
+    b = Pools(["http://s:1"], [], policy=policy_of("spillover")).backends[0]
     first = b.lease()
     now[0] += 1.0
     others = [b.lease() for _ in range(9)]
@@ -398,7 +399,7 @@ def test_a_lease_s_mean_load_ignores_what_the_backend_carried_before_it(monkeypa
     count. mutmut: Lease.mean_inflight 5 (`area(now) + area0`)."""
     now = [50.0]
     monkeypatch.setattr(pools_mod, "clock", lambda: now[0])
-    b = Pools(["http://s:1"], [], policy="spillover").backends[0]
+    b = Pools(["http://s:1"], [], policy=policy_of("spillover")).backends[0]
     before = b.lease()
     now[0] += 3.0
     before.release()  # 3 request-seconds, before the lease below
@@ -406,3 +407,51 @@ def test_a_lease_s_mean_load_ignores_what_the_backend_carried_before_it(monkeypa
     now[0] += 2.0
     assert lease.mean_inflight() == pytest.approx(1.0)
     lease.release()
+
+
+# ---------------------------------------------------------------- the lease's one end
+
+def test_a_lease_finishes_once_reporting_while_it_still_counts():
+    """finish(obs): the pools hear the observation while the lease still counts (the policy reads the backend's
+    load with this request in it), then the lease is released; a second finish (or release) does nothing: no
+    second report, no second release. Seen failing with finish's release moved before report_done (inflight 0
+    in the report)."""
+    p = pools()
+    spec = p.by_url[S1]
+    heard: list[tuple[int, Observation, object]] = []
+    p.report_done = lambda b, obs, placement=None: heard.append((b.inflight, obs, placement))
+    lease = spec.lease()
+    obs = Observation(spec.pool, spec.url, 1, 1, 0.1, 0.01, 10, 3, True)
+    assert lease.finish(obs, p, "placed") is True
+    assert heard == [(1, obs, "placed")] and spec.inflight == 0 and lease.released
+    assert lease.finish(obs, p) is False
+    lease.release()
+    assert len(heard) == 1 and spec.inflight == 0
+
+
+def test_a_lease_is_released_even_when_its_report_fails():
+    """A policy that raises in observe() must not leave the request counted on its backend for ever."""
+    p = pools()
+    spec = p.by_url[S1]
+
+    def broken(b, obs, placement=None):
+        raise RuntimeError("policy bug")
+
+    p.report_done = broken
+    lease = spec.lease()
+    with pytest.raises(RuntimeError):
+        lease.finish(Observation(spec.pool, spec.url, 1, 1, 0.1, 0.01, 10, 3, True), p)
+    assert lease.released and spec.inflight == 0
+
+
+def test_a_lease_given_up_for_a_retry_reports_nothing():
+    """finish(None): an attempt abandoned for another backend; its failure went through report_attempt, nothing
+    finished there, so the policy hears nothing; the lease and its started count end."""
+    p = pools()
+    spec = p.by_url[S1]
+    p.report_done = lambda *a, **k: pytest.fail("reported")
+    lease = spec.lease()
+    lease.start()
+    assert spec.started == 1
+    assert lease.finish(None, p) is True
+    assert (spec.inflight, spec.started) == (0, 0)

@@ -20,9 +20,11 @@ from router.affinity import (
     Placement,
 )
 from router.body import parse_head
+from router.core.scheduler import Scheduler
 from router.observe import LoadFigures, Observation
-from router.policy import ABOVE, BELOW, PINNED, BackendLoad, Decision, View, decide, in_pool
+from router.policy import ABOVE, BELOW, BackendLoad, Decision, Fixed, View, decide
 from router.pools import Pools
+from tests.fixtures_policy import policy_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -147,8 +149,34 @@ def B(url, load, pool="baseline"):
     return BackendLoad(url, pool, load, True)
 
 
+class Propose(Fixed):
+    """A pool policy that proposes one decision, whatever the loads."""
+
+    name = "propose"
+
+    def __init__(self, d: Decision | None) -> None:
+        self.d = d
+
+    def decide(self, view, rng):
+        return Decision(next(e for e in view.backends if e.url == self.d.url), self.d.reason)
+
+
+def place(aff: Affinity, d: Decision | None, view: View, p: prefix.Prompt, pinned: str | None = None
+          ) -> tuple[Decision, Placement]:
+    """One decision through the scheduler: `d` as the pool policy's proposal, then the prefix scorer and the picker."""
+    sched = Scheduler(Propose(d), aff)
+    got = sched.decide(sched.snapshot(view.backends, pinned, p), random.Random(0))
+    return got.decision, got.placement
+
+
+def learn(aff: Affinity, obs: Observation, pl: Placement) -> None:
+    """What Pools.report_done does with a finished exchange: the figures, then the index."""
+    aff.figures.observe(obs, pl)
+    aff.observe(obs, pl)
+
+
 def placed(aff: Affinity, view: View, d: Decision, p: prefix.Prompt) -> tuple[Decision, Placement]:
-    got = aff.place(d, view, p, random.Random(0))
+    got = place(aff, d, view, p)
     aff.sent(got[0].backend, got[1])
     return got
 
@@ -170,7 +198,7 @@ def test_in_pool_choice_weighs_load_against_the_prefill_saved(loads, expect_url,
     aff.index.of("a", 0, 1000).insert(p.blocks)
     bs = [B(u, n) for u, n in zip("abc", loads, strict=True)]
     view = View.of(bs)
-    d, pl = aff.place(Decision(bs[2], BELOW), view, p, random.Random(0))
+    d, pl = place(aff, Decision(bs[2], BELOW), view, p)
     assert pl.reason == reason
     if expect_url:
         assert d.url == expect_url and pl.expected_cached > 0
@@ -188,19 +216,19 @@ def test_how_much_load_a_prefix_holds_grows_with_its_length():
     # 48 requests more (0.48 s at the 10 ms prior) against ~1.8k held tokens, priced twice (re-prefilled, and
     # evicting as much elsewhere): 0.36 s; the 20k-token prefix: 4 s
     view = View.of([B("a", 50), B("b", 2)])
-    assert aff.place(Decision(view.backends[1], BELOW), view, short, random.Random(0))[0].url == "b"
-    assert aff.place(Decision(view.backends[1], BELOW), view, longer, random.Random(0))[0].url == "a"
+    assert place(aff, Decision(view.backends[1], BELOW), view, short)[0].url == "b"
+    assert place(aff, Decision(view.backends[1], BELOW), view, longer)[0].url == "a"
 
 
 def test_no_match_and_single_and_no_text():
     aff = Affinity()
     view = View.of([B("a", 5), B("b", 1)])
-    d, pl = aff.place(Decision(view.backends[0], BELOW), view, long_prompt(4), random.Random(0))
+    d, pl = place(aff, Decision(view.backends[0], BELOW), view, long_prompt(4))
     assert (d.url, pl.reason) == ("b", NO_MATCH)
     one = View.of([B("a", 5)])
-    assert aff.place(Decision(one.backends[0], BELOW), one, long_prompt(4), random.Random(0))[1].reason == SINGLE
+    assert place(aff, Decision(one.backends[0], BELOW), one, long_prompt(4))[1].reason == SINGLE
     for kind in (prefix.NO_TEXT, prefix.IMAGE, prefix.TOKEN_IDS):
-        d, pl = aff.place(Decision(view.backends[0], BELOW), view, prefix.Prompt(kind, 10, []), random.Random(0))
+        d, pl = place(aff, Decision(view.backends[0], BELOW), view, prefix.Prompt(kind, 10, []))
         assert d.url == "a" and pl.reason == kind  # the policy's choice, unchanged
 
 
@@ -230,7 +258,7 @@ def test_prefill_queued_ahead_counts_in_the_unit_of_the_prefill_saved(pending_a,
     p = long_prompt(11)  # 52 kB: ~13k tokens, all held by "a"
     aff.index.of("a", 0, 1000).insert(p.blocks)
     view = View.of([Busy("a", 3, pending_a), Busy("b", 3, pending_b)])
-    d, pl = aff.place(Decision(view.backends[1], BELOW), view, p, random.Random(0))
+    d, pl = place(aff, Decision(view.backends[1], BELOW), view, p)
     assert (d.url, pl.reason) == (expect_url, reason)
 
 
@@ -256,11 +284,11 @@ def test_ttft_learning_keeps_load_in_the_rule_under_queueing():
     ptok = int(p.nbytes / aff.bytes_per_token)
     for _ in range(200):  # every answer waited behind 3 prompts' worth of prefill: 4 prompts in 4 s
         pl = Placement(NO_MATCH, p, 0, ptok, 0, pending_ahead=3 * ptok)
-        aff.observe(Observation("baseline", "u", 4, 4, 10.0, 4.0, 100, 100, True, 4.0, ptok, 0), pl)
-    assert aff.costs("baseline").prefill_s == pytest.approx(4.0 / (4 * ptok), rel=0.05)
+        learn(aff, Observation("baseline", "u", 4, 4, 10.0, 4.0, 100, 100, True, 4.0, ptok, 0), pl)
+    assert aff.figures.costs("baseline").prefill_s == pytest.approx(4.0 / (4 * ptok), rel=0.05)
     aff.index.of("a", 0, 1000).insert(p.blocks)
     view = View.of([Busy("a", 4, 3 * ptok), Busy("b", 1, 0)])
-    d, pl = aff.place(Decision(view.backends[1], BELOW), view, p, random.Random(0))
+    d, pl = place(aff, Decision(view.backends[1], BELOW), view, p)
     assert (d.url, pl.reason) == ("b", LOAD_OVERRIDE)
 
 
@@ -269,7 +297,7 @@ def test_a_queue_beyond_max_running_costs_whole_requests():
     p = long_prompt(5)
     aff.index.of("a", 0, 1000).insert(p.blocks)
     view = View.of([B("a", 40), B("b", 2)])
-    assert aff.place(Decision(view.backends[1], BELOW), view, p, random.Random(0))[1].reason == LOAD_OVERRIDE
+    assert place(aff, Decision(view.backends[1], BELOW), view, p)[1].reason == LOAD_OVERRIDE
 
 
 # ---- across pools
@@ -280,7 +308,7 @@ def S(url, load):
 def warm(aff: Affinity, tpot: dict[str, float]) -> None:
     for pool, t in tpot.items():
         for _ in range(100):
-            aff.observe(Observation(pool, "x", 1, 1, 0.1 + 256 * t, 0.1, 257, 257, True, 1.0, 4000, 0),
+            learn(aff, Observation(pool, "x", 1, 1, 0.1 + 256 * t, 0.1, 257, 257, True, 1.0, 4000, 0),
                         Placement(NO_MATCH, prefix.NONE))
 
 
@@ -294,7 +322,7 @@ def test_a_switch_pays_for_the_prefix_it_throws_away(spec_tpot, base_tpot, expec
     p = long_prompt(6)
     aff.index.of("s1", 0, 1000).insert(p.blocks)
     view = View.of([S("s1", 4), B("b1", 4)])
-    d, pl = aff.place(Decision(view.backends[1], ABOVE), view, p, random.Random(0))
+    d, pl = place(aff, Decision(view.backends[1], ABOVE), view, p)
     assert (d.pool, pl.reason) == (expect_pool, reason)
 
 
@@ -304,11 +332,10 @@ def test_pinning_and_cross_pool_off_never_switch_pools():
     p = long_prompt(7)
     aff.index.of("s1", 0, 1000).insert(p.blocks)
     view = View.of([S("s1", 4), B("b1", 4)])
-    pinned = in_pool(view, "baseline", PINNED, random.Random(0))
-    assert aff.place(pinned, view, p, random.Random(0))[0].pool == "baseline"
+    assert place(aff, None, view, p, pinned="baseline")[0].pool == "baseline"
     off = Affinity(cross_pool=False)
     off.index.of("s1", 0, 1000).insert(p.blocks)
-    assert off.place(Decision(view.backends[1], ABOVE), view, p, random.Random(0))[0].pool == "baseline"
+    assert place(off, Decision(view.backends[1], ABOVE), view, p)[0].pool == "baseline"
 
 
 def test_cold_start_leaves_the_policys_pool():
@@ -316,13 +343,13 @@ def test_cold_start_leaves_the_policys_pool():
     p = long_prompt(8)
     aff.index.of("s1", 0, 1000).insert(p.blocks)
     view = View.of([S("s1", 4), B("b1", 4)])
-    d, pl = aff.place(Decision(view.backends[1], ABOVE), view, p, random.Random(0))
+    d, pl = place(aff, Decision(view.backends[1], ABOVE), view, p)
     assert (d.pool, pl.reason) == ("baseline", POOL_MOVED)
 
 
 # ---- learning and forgetting through the pools
 def pools_with_affinity(n=2, **kw) -> Pools:
-    ps = Pools([], [f"http://b{i}" for i in range(n)], policy="least-inflight", rng=random.Random(0),
+    ps = Pools([], [f"http://b{i}" for i in range(n)], policy=policy_of("least-inflight"), rng=random.Random(0),
                affinity=Affinity(**kw))
     for b in ps.backends:
         b.healthy = True
@@ -396,7 +423,7 @@ def test_bytes_per_token_is_learned_from_usage():
     aff = Affinity()
     p = long_prompt(9, 20_000)
     for _ in range(200):
-        aff.observe(Observation("baseline", "u", 1, 1, 1.0, 0.1, 10, 10, True, 1.0, 4000, None),
+        learn(aff, Observation("baseline", "u", 1, 1, 1.0, 0.1, 10, 10, True, 1.0, 4000, None),
                     Placement(NO_MATCH, p))
     assert aff.bytes_per_token == pytest.approx(5.0, rel=0.01)
 

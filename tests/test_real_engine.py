@@ -277,7 +277,9 @@ async def test_adaptive_infers_that_the_engine_runs_one_request_at_a_time(engine
     to one engine: the second's first token comes only after the first ended, so nothing ran beside it, and after
     QUEUE_WITNESSES such requests `adaptive` prices a second request there as a wait (router.queuelimit). The
     engine no pair was sent to stays unknown."""
-    from router.queuelimit import QUEUE_WITNESSES
+    from router.tuning import DEFAULT
+
+    QUEUE_WITNESSES = DEFAULT.queue_witnesses
 
     router = await engine_router(router_factory, engine_pair, policy="adaptive")
     pin = {"X-Router-Pool": "baseline"}

@@ -13,6 +13,7 @@ from router.discovery import endpoint_url, is_name, named_entries, static_entrie
 from router.metrics import Metrics
 from router.pools import Pools
 from router.settings import ConfigError, load_settings
+from tests.fixtures_policy import policy_of
 from tests.fixtures_router import poll
 
 NAME = "http://sglang-speculative.pool.test:30000"
@@ -78,7 +79,7 @@ async def test_system_resolver_answers_localhost():
 # ---------------------------------------------------------------- Pools membership
 
 def _pools(registry: CollectorRegistry) -> Pools:
-    pools = Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy="spillover", threshold=4)
+    pools = Pools(["http://10.0.0.1:1"], ["http://10.0.0.2:1"], policy=policy_of("spillover", threshold=4), threshold=4)
     exporter.bind(Metrics(registry), pools)
     return pools
 
@@ -125,7 +126,7 @@ def test_idle_backend_is_dropped_at_once_and_readding_a_draining_one_revives_it(
 
 
 def test_the_policy_sees_members_as_they_change():
-    pools = Pools(["http://10.0.0.1:1"], [], policy="least-inflight")
+    pools = Pools(["http://10.0.0.1:1"], [], policy=policy_of("least-inflight"))
     first = pools.by_url["http://10.0.0.1:1"]
     first.probe_ok(1)
     held = [first.lease(), first.lease()]

@@ -48,6 +48,10 @@ class Done:
         self.calls.append(conn)
 
 
+def no_wait(waited: float | None) -> None:
+    """Client.open's `placed`: nothing to record."""
+
+
 def connection() -> tuple[Connection, FakeTransport]:
     conn = Connection(asyncio.get_running_loop())
     t = FakeTransport()
@@ -275,10 +279,10 @@ async def test_client_reuses_a_kept_alive_connection_and_sends_host_length_and_h
     client = upstream.Client(1.0, 10, 10)
     try:
         for _ in range(3):
-            resp = await upstream.send(client, url + "/base", "/v1/x", b"{}", {"Content-Type": "application/json",
-                                                                          "Evil": "a\r\nInjected: 1"})
-            assert (resp.status, await resp.read()) == (200, b"ok")
-            resp.release()
+            resp = await client.open(url + "/base", "/v1/x", b"{}", {"Content-Type": "application/json",
+                                                                     "Evil": "a\r\nInjected: 1"}, no_wait)
+            assert (resp.status, await resp.read_body()) == (200, b"ok")
+            resp.end()
         assert accepted == 1 and len(seen) == 3
         host = url.removeprefix("http://").encode()
         assert seen[0] == (b"POST /base/v1/x HTTP/1.1\r\nHost: " + host + b"\r\nContent-Length: 2\r\n"
@@ -357,7 +361,7 @@ async def test_a_refused_connect_is_a_retryable_connect_error():
         refused = f"http://127.0.0.1:{s.getsockname()[1]}"
     client = upstream.Client(1.0, 10, 10)
     with pytest.raises(UpstreamConnectError) as info:
-        await upstream.send(client, refused, "/", b"", {})
+        await client.open(refused, "/", b"", {}, no_wait)
     assert info.value.retryable and info.value.kind == "connect"
 
 

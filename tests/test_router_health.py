@@ -19,6 +19,7 @@ from router.metrics import Metrics
 from router.observe import Attempt
 from router.pools import Pools
 from router.settings import Settings
+from tests.fixtures_policy import policy_of
 from tests.fixtures_rawbackend import hang, json_answer, reset_before_headers
 from tests.fixtures_router import poll
 
@@ -28,7 +29,7 @@ def make(spec: list[str], base: list[str] = (), keys=None, **settings) -> tuple[
            "health_success_threshold": 1, **settings}
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    pools = Pools(spec, base, policy="spillover", threshold=1, keys=keys)
+    pools = Pools(spec, base, policy=policy_of("spillover", threshold=1), threshold=1, keys=keys)
     exporter.bind(metrics, pools)
     return HealthChecker(pools, Settings(speculative=spec, baseline=list(base), **cfg), metrics), pools, registry
 
@@ -240,7 +241,7 @@ async def test_the_loop_survives_a_failing_round_and_stops(raw_backend_factory, 
     `asyncio.sleep(health_interval)` -> sleep(None), `stop()` not cancelling or not closing the session."""
     be = await raw_backend_factory({})
     checker, _, registry = make([be.url], health_interval=0.05)
-    checker.pools = BrokenOnce([be.url], [], policy="spillover", threshold=1)
+    checker.pools = BrokenOnce([be.url], [], policy=policy_of("spillover", threshold=1), threshold=1)
     checker.start()
     try:
         assert await poll(checker.first_round.is_set, 5)

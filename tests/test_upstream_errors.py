@@ -41,6 +41,10 @@ async def post(url: str, body: dict) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
+def no_wait(waited: float | None) -> None:
+    """Client.open's `placed`: nothing to record."""
+
+
 def document(message: str, type_: str, code: str) -> dict:
     return {"error": {"message": message, "type": type_, "code": code}}
 
@@ -228,10 +232,10 @@ async def test_header_values_that_would_split_the_request_are_dropped_alone(raw_
     b = await raw_backend_factory({"/x": sse(b"data: 1\n\n")})
     client = upstream.Client(5.0, 10, 10)
     try:
-        resp = await upstream.send(client, b.url, "/x", b"{}", {
-            "Lf-Only": "a\nInjected: 1", "Kept-1": "one", "Cr-Only": "a\rInjected: 2", "Kept-2": "two"})
+        resp = await client.open(b.url, "/x", b"{}", {
+            "Lf-Only": "a\nInjected: 1", "Kept-1": "one", "Cr-Only": "a\rInjected: 2", "Kept-2": "two"}, no_wait)
         assert resp.status == 200
-        resp.close()
+        resp.end()
     finally:
         client.close()
     (req,) = b.requests
@@ -260,6 +264,27 @@ async def test_header_bytes_that_were_not_utf8_are_forwarded_as_they_came(raw_ba
 
 
 # ---------------------------------------------------------------- places: Gate and Limits
+
+@pytest.mark.parametrize("complete", [True, False])
+async def test_a_reply_ends_once_and_gives_each_place_back_once(raw_backend_factory, complete):
+    """Client.open takes the backend's place and one of the total; Reply.end gives both back (the connection
+    kept for reuse when the answer was read to its end, else closed), and a second end gives nothing more.
+    mutmut: Reply.end's `_client = ""` (a second end fails), its `if client is None` inverted."""
+    b = await raw_backend_factory({"/x": sse(b"data: 1\n\n")})
+    limits = upstream.Limits([b.url], 2)
+    client = upstream.Client(5.0, 3, 10, limits=limits)
+    try:
+        reply = await client.open(b.url, "/x", b"{}", {}, no_wait)
+        assert (limits.slots[b.url].free, client._slots.free) == (1, 2)
+        if complete:
+            assert await reply.read_body() == b"data: 1\n\n"
+        reply.end()
+        reply.end()
+        assert (limits.slots[b.url].free, client._slots.free) == (2, 3)
+        assert len(client.endpoint(b.url).idle) == 0  # the fixture answers with Connection: close
+    finally:
+        client.close()
+
 
 async def test_a_waiter_cancelled_before_its_turn_takes_no_place():
     """mutmut: Gate.take 3 (`and` -> `or`: a cancelled waiter gives back a place it never had, so two
@@ -361,7 +386,7 @@ async def test_an_https_backend_gets_a_tls_handshake_not_plain_http():
     try:
         with pytest.raises(UpstreamError) as info:
             async with asyncio.timeout(10):
-                await upstream.send(client, url, "/v1/x", b"{}", {})
+                await client.open(url, "/v1/x", b"{}", {}, no_wait)
     finally:
         client.close()
         server.close()

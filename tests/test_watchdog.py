@@ -87,8 +87,7 @@ class Upstream:
         self.clock = clock
         self.failed_at: list[float] = []
 
-    def set_exception(self, exc: BaseException) -> None:
-        assert isinstance(exc, TimeoutError)
+    def time_out(self) -> None:  # router.upstream.Reply's
         self.failed_at.append(self.clock.now)
 
 

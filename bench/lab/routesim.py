@@ -4,7 +4,7 @@ process, no sockets; what a routing rule does on exact physics, without this hos
 The engines are bench.family's (the same continuous batching and acceptance draws as `spec-bench family`), the
 requests the judge's (coding prompts, the same bodies, so a member drawing acceptance per request draws the same
 for each), the decisions, leases, observations and /v1/loads figures the router's (`router.pools.Pools`,
-`router.app.make_policy`, `router.loads.parse_figures` on the document the family server would answer). Time is
+`router.policies.make_policy`, `router.loads.parse_figures` on the document the family server would answer). Time is
 the servers' own: the loop's clock jumps to the next step instead of sleeping, so a level of 64 requests costs
 milliseconds of CPU and no two runs of the same seed differ. What it leaves out is the real router's: HTTP, the
 proxy's own latency, a poll that lands late; `bench judge` measures those.
@@ -24,11 +24,11 @@ from bench.lab.family import Engine, Member, Req, _prompt_tokens, loads_document
 from bench.lab.judging import best_threshold
 from bench.load import build_body, load_prompts
 from router import pools as pools_mod
-from router.app import make_policy
 from router.curves import parse_curve
 from router.loads import parse_figures
 from router.observe import Observation
-from router.policy import Policy, build
+from router.policies import Balanced, make_policy
+from router.policy import Policy
 from router.pools import Pools
 from router.settings import load_settings
 
@@ -176,10 +176,14 @@ class Bench:
                 await e.stop()
 
 
+def policy_of(**settings) -> Policy:
+    """The policy `spec-router serve` builds with these settings over the defaults."""
+    return make_policy(load_settings(None, {"speculative": [SPEC], "baseline": [BASE], **settings}, environ={}))
+
+
 def adaptive_policy(**settings) -> Policy:
     """adaptive as `spec-router serve --policy adaptive` builds it, with these settings over the defaults."""
-    return make_policy(load_settings(None, {"policy": "adaptive", "speculative": [SPEC], "baseline": [BASE],
-                                            **settings}, environ={}))
+    return policy_of(policy="adaptive", **settings)
 
 
 FIXED = ("all-speculative", "all-baseline", "round-robin", "spillover", "balanced")
@@ -201,15 +205,16 @@ def judge(member: Member, levels: list[int], *, seed: int = 0, offset: int = 0, 
     def go(policy: Policy, runs: list[tuple[int, int]] | None = None, **kw) -> list[Level]:
         return run_virtual(bench.run(policy, runs or plan, offset=offset, **kw))
 
-    alone = {"all-speculative": go(build("spillover", threshold=10 ** 6), pools=(True, False)),
-             "all-baseline": go(build("spillover", threshold=10 ** 6), pools=(False, True))}
+    alone = {"all-speculative": go(policy_of(policy="spillover", threshold=10 ** 6), pools=(True, False)),
+             "all-baseline": go(policy_of(policy="spillover", threshold=10 ** 6), pools=(False, True))}
     curves = tuple(parse_curve(",".join(f"{x.clients}:{x.tok_s:.1f}" for x in alone[k]))
                    for k in ("all-speculative", "all-baseline"))
     runs = dict(alone)
-    runs["round-robin"] = go(build("round-robin"))
+    runs["round-robin"] = go(policy_of(policy="round-robin"))
     for t in thresholds:
-        runs[f"spillover@{t}"] = go(build("spillover", threshold=t))
-    runs["balanced"] = go(build("balanced", curves=curves))
+        runs[f"spillover@{t}"] = go(policy_of(policy="spillover", threshold=t))
+    # Balanced on the curves measured just now: one level gives one point, fewer than the settings take.
+    runs["balanced"] = go(Balanced(curves))
     warm = [(c, warmup_s / len(levels)) for c in levels] if warmup_s > 0 else None
     runs["adaptive"] = go(make(), warmup=warm)
     _, best_spill = best_threshold({f"spillover@{t}": [x.tok_s for x in runs[f"spillover@{t}"]] for t in thresholds})

@@ -9,7 +9,11 @@ at 24): the share sent to the speculative engine and the throughput against all-
 over 40 seeds: no covariate (COVARIATE_SAMPLES out of reach, MAX_EARLY 0), the covariate with samples folded at
 once, and the covariate with MAX_EARLY 16 (recorded when the first samples waited for the covariate; they are now
 folded unmoved and rebuilt once it is measured, so a rerun's third table differs).
-Run: .venv/bin/python bench/results/adaptive/covariate-replay.py > bench/results/adaptive/covariate-replay.txt"""
+It sets the policy's former module constants, which router.tuning.Tuning replaced (MAX_EARLY is now derived from
+covariate_samples, so two of its modes cannot be expressed): it runs against the router before that change.
+Run (from this checkout; the router of commit 1e79935, its results beside it):
+  git worktree add /tmp/before-tuning 1e79935 && PYTHONPATH=/tmp/before-tuning .venv/bin/python \
+  bench/results/adaptive/covariate-replay.py > bench/results/adaptive/covariate-replay.txt"""
 import math
 import random
 import statistics

@@ -14,15 +14,15 @@ without exploration (explore 0: the models alone); a textbook Thompson sampler (
 log seconds per request from the same samples, warm-up included); and, after a warm-up, adaptive with one of
 its exploration constants moved (VARIANTS).
 Run: .venv/bin/python bench/results/adaptive/explore-replay.py > bench/results/adaptive/explore-replay.txt"""
-import contextlib
+import dataclasses
 import math
 import random
 import statistics
 
-import router.adaptive as adaptive
 from router.adaptive import Adaptive
 from router.observe import Observation
 from router.policy import BackendLoad, View, decide
+from router.tuning import DEFAULT
 
 S, B = "http://s:1", "http://b:1"
 SPEC, BASE = "speculative", "baseline"
@@ -41,34 +41,21 @@ def serve(pool: str, row: list, slow: float, rng: random.Random | None) -> tuple
 
 
 class Router:
-    """The router's policy: adaptive as built, or with explore 0, or with some of its exploration constants set."""
+    """The router's policy: adaptive as built, or with explore 0, or with some of its exploration figures set
+    (router.tuning.Tuning's fields, passed in)."""
 
-    def __init__(self, rng: random.Random, explore: bool, **consts: float) -> None:
-        self.consts = consts
-        with self._set():
-            self.rng, self.pol = rng, Adaptive() if explore else Adaptive(explore=0.0)
-
-    @contextlib.contextmanager
-    def _set(self):
-        old = {k: getattr(adaptive, k) for k in self.consts}
-        for k, v in self.consts.items():
-            setattr(adaptive, k, v)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                setattr(adaptive, k, v)
+    def __init__(self, rng: random.Random, explore: bool, **fields: float) -> None:
+        tuning = dataclasses.replace(DEFAULT, **fields)
+        self.rng = rng
+        self.pol = Adaptive(tuning=tuning) if explore else Adaptive(explore=0.0, tuning=tuning)
 
     def pick(self) -> tuple[str, str]:
-        with self._set():
-            d = decide(self.pol, View.of([BackendLoad(S, SPEC, 0, True), BackendLoad(B, BASE, 0, True)]), None,
-                       self.rng)
+        d = decide(self.pol, View.of([BackendLoad(S, SPEC, 0, True), BackendLoad(B, BASE, 0, True)]), None, self.rng)
         return d.pool, d.reason
 
     def fold(self, pool: str, row: list, dur: float, ttft: float) -> None:
-        with self._set():
-            self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
-                                         data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
+        self.pol.observe(Observation(pool, S if pool == SPEC else B, 1, 1, dur, ttft, None, TOKENS, True,
+                                     data_events=TOKENS + 1, estimated_prompt_tokens=int(row[1])))
 
 
 class Thompson:
@@ -95,9 +82,9 @@ LEARNERS = {"adaptive (as built)": lambda rng: Router(rng, True),
             "textbook Thompson": Thompson}
 # Exploration's constants moved one at a time (warm-up runs only): no random exploration of an unfed pool at any
 # load (FRESH), half the cap on the chance explored at light load, half the light-load samples that end it.
-VARIANTS = {"no random exploration": lambda rng: Router(rng, True, FRESH=10**9),
-            "chance cap 0.25": lambda rng: Router(rng, True, LOW_LOAD_EXPLORE=0.25),
-            "light samples cap 16": lambda rng: Router(rng, True, MAX_LOW_LOAD_SAMPLES=16)}
+VARIANTS = {"no random exploration": lambda rng: Router(rng, True, fresh=10**9),
+            "chance cap 0.25": lambda rng: Router(rng, True, low_load_explore=0.25),
+            "light samples cap 16": lambda rng: Router(rng, True, max_low_load_samples=16)}
 
 
 def run(make, seed: int, slow: float, n: int, warm: bool) -> tuple[float, int, int]:

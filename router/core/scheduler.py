@@ -1,0 +1,50 @@
+"""The one decision: a snapshot, the filters, the pool policy's proposal, the prefix scorer, the picker."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from router.core.plugins import Choice, Filter, Picker, Pinned, PinnedPool, Placement, Scorer
+from router.core.snapshot import Snapshot
+from router.policy import ONLY, POOL_CHOICE, Decision, Policy, other
+from router.prefix import Prompt
+
+
+class Scheduler:
+    """Runs one decision with no await in it. The pool policy proposes a pool (and an instance, with the reason);
+    with prefix routing on and a prompt, the prefix scorer prices the candidates and the picker chooses once.
+    `prefix`: the scorer (router.affinity.Affinity), None when prefix routing is off."""
+
+    def __init__(self, policy: Policy, prefix: Scorer | None = None, filters: tuple[Filter, ...] = (PinnedPool(),),
+                 picker: Picker | None = None) -> None:
+        self.policy = policy
+        self.prefix = prefix
+        self.filters = filters
+        self.picker = picker or Picker()
+
+    def snapshot(self, backends: Iterable, pinned: str | None = None, prompt: Prompt | None = None) -> Snapshot:
+        match = None if self.prefix is None else self.prefix.match
+        return Snapshot.take(backends, pinned, prompt, match)
+
+    def decide(self, snap: Snapshot, rng: random.Random) -> Choice | None:
+        """The choice for one request; None when no endpoint is routable. Its decision names the live backend."""
+        for f in self.filters:
+            snap = f.filter(snap)
+        if snap.pinned is not None:
+            proposal = Pinned(snap.pinned).decide(snap.view, rng)
+        else:
+            proposal = self.policy.decide(snap.view, rng)
+            if proposal is not None and proposal.reason in POOL_CHOICE and not snap.view.pool(other(proposal.pool)):
+                # One configured pool: a "threshold" or "failover" reason would name a choice that was never made.
+                proposal = Decision(proposal.backend, ONLY)
+        if proposal is None:
+            return None
+        if self.prefix is None or snap.prompt is None:
+            choice = Choice(proposal, None)
+        else:
+            choice = self.picker.pick(proposal, self.prefix.score(snap, proposal), rng)
+        d = choice.decision
+        return Choice(Decision(getattr(d.backend, "live", d.backend), d.reason), choice.placement)
+
+
+__all__ = ["Choice", "Placement", "Scheduler"]
