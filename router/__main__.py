@@ -156,16 +156,18 @@ async def serve(settings: Settings) -> int:
 
 async def epp(settings: Settings) -> int:
     try:
-        from router.epp.app import Epp
+        from router.epp.app import Epp, ListenError
     except ImportError as exc:
         print(f"{PROG}: error: epp needs the epp extra (pip install 'spec-router[epp]'): {exc}", file=sys.stderr)
         return 2
     picker = Epp(settings)
     try:
         port = await picker.start()
-    except (OSError, RuntimeError) as exc:
-        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.epp_port}: "
-              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+    except ListenError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # gRPC's own failure to bind
+        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.epp_port}: {exc}", file=sys.stderr)
         return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

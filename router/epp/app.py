@@ -7,36 +7,44 @@ import logging
 import socket
 
 import grpc
-from prometheus_client import CollectorRegistry
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from router.app import make_affinity, make_policy
-from router.discovery import Discovery, Resolver, static_entries
+from router import exporter, handlers
+from router.app import build_pools
+from router.discovery import Discovery, Resolver
 from router.epp.decide import Decider
 from router.epp.server import Processor, build_server, set_health
+from router.errors import error_middleware
 from router.health import HealthChecker
 from router.learner import Learner
 from router.metrics import Metrics
-from router.pools import Backend, Pools
+from router.pools import Backend
 from router.settings import Settings
 
 log = logging.getLogger("router.epp")
 
 
-def build_pools(settings: Settings) -> Pools:
-    keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
-    return Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
-                 policy=make_policy(settings), threshold=settings.threshold,
-                 outlier_cfg=settings.outlier(), affinity=make_affinity(settings),
-                 keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
+class ListenError(OSError):
+    """A port the picker cannot bind, named in one line (the CLI prints it and exits 2)."""
+
+
+def _cannot_listen(host: str, port: int, exc: BaseException | None = None) -> ListenError:
+    why = (getattr(exc, "strerror", None) or str(exc)) if exc is not None else "the port cannot be bound"
+    return ListenError(f"cannot listen on {host}:{port}: {why}")
 
 
 def _check_free(host: str, port: int) -> None:
-    """Raise OSError (EADDRINUSE, ...) when host:port cannot be bound: a clear error before gRPC's own log lines."""
+    """Raise ListenError (EADDRINUSE, ...) when host:port cannot be bound: a clear error before gRPC's own log
+    lines."""
     if port == 0:
         return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise _cannot_listen(host, port, exc) from None
 
 
 class Epp:
@@ -48,8 +56,12 @@ class Epp:
         self.settings = settings
         self.pools = build_pools(settings)
         self.metrics = Metrics(registry if registry is not None else CollectorRegistry())
-        self.decider = Decider(self.pools, block_bytes=settings.prefix_block_bytes,
-                               endpoints=settings.epp_endpoints)
+        # The router_* gauges that read the pools (in flight, up, state, ejections), bound as serve binds them.
+        self.gauges = exporter.bind(self.metrics, self.pools)
+        self.decider = Decider(self.pools, block_bytes=settings.prefix_block_bytes, endpoints=settings.epp_endpoints,
+                               max_per_backend=settings.max_connections_per_backend, metrics=self.metrics)
+        self.metrics_runner: web.AppRunner | None = None
+        self.metrics_url: str | None = None  # http://host:port of the /metrics listener, once started
         self.server: grpc.aio.Server | None = None
         self.processor: Processor | None = None
         self.health_checker = HealthChecker(self.pools, settings, self.metrics)
@@ -65,8 +77,10 @@ class Epp:
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = self.server.add_insecure_port(f"{host}:{s.epp_port}")
         if port == 0:
-            raise OSError(f"cannot listen on {s.host}:{s.epp_port}")
+            raise _cannot_listen(s.host, s.epp_port)
         await set_health(self.health, ready=False)
+        if s.metrics_port is not None:
+            await self._serve_metrics()
         await self.server.start()
         if self.discovery is not None:
             # The first answer before the first health round, so that round already probes what it found.
@@ -76,6 +90,35 @@ class Epp:
         self.learner.start()
         self._ready_task = asyncio.create_task(self._ready(), name="epp-ready")
         return port
+
+    async def _serve_metrics(self) -> None:
+        """/metrics on metrics_host:metrics_port, as serve's separate metrics listener (the picker's own port
+        speaks gRPC only)."""
+        s = self.settings
+        registry = self.metrics.registry
+
+        async def metrics(_request: web.Request) -> web.Response:
+            out = web.Response(body=generate_latest(registry))
+            out.headers["Content-Type"] = CONTENT_TYPE_LATEST
+            return out
+
+        mapp = web.Application(middlewares=[error_middleware])
+        mapp.router.add_get("/metrics", metrics)
+        mapp.router.add_route("*", "/{tail:.*}", handlers.unrouted)
+        runner = web.AppRunner(mapp, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, s.metrics_host, s.metrics_port)
+            await site.start()
+        except BaseException as exc:
+            await runner.cleanup()
+            if isinstance(exc, OSError):
+                raise _cannot_listen(s.metrics_host or "", s.metrics_port or 0, exc) from None
+            raise
+        self.metrics_runner = runner
+        host, port = runner.addresses[0][:2]
+        self.metrics_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info("metrics on %s/metrics", self.metrics_url)
 
     async def _probe_new(self, b: Backend) -> None:
         # A newcomer carries no traffic until a probe passes: probe it now rather than at the next round.
@@ -100,3 +143,6 @@ class Epp:
             await self.discovery.stop()
         await self.learner.stop()
         await self.health_checker.stop()
+        if self.metrics_runner is not None:
+            await self.metrics_runner.cleanup()
+            self.metrics_runner = None

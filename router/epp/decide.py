@@ -7,14 +7,18 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from router.body import Head, parse_head
-from router.errors import BadRequest, NoHealthyBackend, RouterError
-from router.exchange import POOL_HEADER
-from router.health import summary
+from router.core.plugins import Placement
+from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError
+from router.exchange import POOL_HEADER, no_backend
+from router.metrics import Metrics
 from router.observe import OK, Attempt, Observation
-from router.policy import POOLS
+from router.policy import POOLS, Decision
 from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
 from router.streaming import Usage
+
+# Seconds a shed request is told to wait (Retry-After): about one request's time to free a place.
+RETRY_AFTER_S = 1
 
 
 def endpoint_of(url: str) -> str:
@@ -47,7 +51,7 @@ class Pick:
         self.head = head  # the body's stream keys (None: no body)
         self.lease = lease
         self.endpoints = endpoints
-        self.placement = placement  # router.affinity.Placement, None when prefix routing is off
+        self.placement = placement  # router.core.plugins.Placement, None when prefix routing is off
         self.inflight_at_start = lease.backend.inflight
         self.t0 = time.monotonic()
         self.ttft: float | None = None
@@ -75,14 +79,16 @@ class Pick:
         b = _by_endpoint(self.pools).get(endpoint)
         if b is None or b is self.lease.backend:
             return
-        self.lease.release()
+        # Nothing was observed on the first backend: its lease ends without an observation (as a retry's).
+        self.lease.finish(None)
         self.lease = b.lease()
         self.inflight_at_start = b.inflight
 
-    def answered(self, status: int) -> None:
-        """The response's status: a 5xx counts towards the backend's ejection (outlier detection), as in serve."""
+    def answered(self, status: int, failure: Failure | None = None) -> None:
+        """The response's status: a 5xx counts towards the backend's ejection (outlier detection), as in serve.
+        `failure`: the data plane answered itself because the attempt failed (refused, timed out, reset)."""
         if not self._ended:
-            self.pools.report_attempt(self.lease.backend, Attempt(OK, status))
+            self.pools.report_attempt(self.lease.backend, Attempt(failure) if failure else Attempt(OK, status))
 
     def sent(self) -> None:
         """The request went to the backend without a stream to watch: it runs from now."""
@@ -100,20 +106,21 @@ class Pick:
         self.data_events += data_events
 
     def end(self, ok: bool) -> None:
-        """The backend's part is over (answered, failed, or the stream was reset): report it and release, once."""
+        """The backend's part is over (answered, failed, or the stream was reset): the lease ends with what was
+        observed (Lease.finish: reported, then released), once."""
         if self._ended:
             return
         self._ended = True
-        b = self.lease.backend
+        lease = self.lease
+        b = lease.backend
         u = self.usage
         streamed = self.ttft is not None
-        self.pools.report_done(b, Observation(
+        lease.finish(Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            u.completion if u.seen else None, self.chunks, ok, self.lease.mean_inflight(),
+            u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
             u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=self.lease.beside if streamed else None,
-            waited_s=self.lease.waited if streamed else None), self.placement)
-        self.lease.release()
+            running_beside=lease.beside if streamed else None,
+            waited_s=lease.waited if streamed else None), self.pools, self.placement)
 
 
 def _by_endpoint(pools: Pools) -> dict[str, Backend]:
@@ -129,16 +136,35 @@ def pinned_pool(value: str | None) -> str | None:
     return value
 
 
-class Decider:
-    """Decisions over the router's pools; `endpoints`: how many to name (the first holds the lease)."""
+class Overloaded(RouterError):
+    """Every backend the request may go to holds max_connections_per_backend requests. serve would queue it in
+    the router; the data plane has no such queue (it would pile the request onto a full backend), so the picker
+    sheds it: 429 with Retry-After, the client's cue to come back."""
 
-    def __init__(self, pools: Pools, *, block_bytes: int, endpoints: int = 1) -> None:
+    status, type, code = 429, "rate_limit_error", "backends_at_capacity"
+    retry_after_s = RETRY_AFTER_S
+
+
+class Decider:
+    """Decisions over the router's pools; `endpoints`: how many to name (the first holds the lease);
+    `max_per_backend`: requests one backend may hold (serve's max_connections_per_backend; above on every
+    candidate, the request is shed); `metrics`: where decisions are counted (router_route_decisions_total)."""
+
+    def __init__(self, pools: Pools, *, block_bytes: int, endpoints: int = 1, max_per_backend: int | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.pools = pools
         self.block_bytes = block_bytes
         self.endpoints = endpoints
+        self.max_per_backend = max_per_backend
+        self.metrics = metrics
+
+    def _has_room(self, b: Backend, leased: bool = False) -> bool:
+        """`b` may take one more request (`leased`: the request's own lease on it is taken already)."""
+        return self.max_per_backend is None or b.inflight - leased < self.max_per_backend
 
     def decide(self, req: Request) -> Pick | RouterError:
-        """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready)."""
+        """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready, 429 every
+        candidate full)."""
         try:
             pinned = pinned_pool(req.pinned)
             prompt = head = None
@@ -157,18 +183,36 @@ class Decider:
                 return NoHealthyBackend(f"no ready endpoint in the subset hint ({len(req.subset)} named)")
         got = pools.place(pinned, prompt)
         if got is None:
-            return NoHealthyBackend(f"no healthy backend: {summary(pools.backends)}" if pools.backends
-                                    else "no healthy backend")
+            return no_backend(pools.backends)
         lease, decision, placement = got
-        if allowed is not None and lease.backend not in allowed:
-            # The policy chose outside the hint: the least loaded of the hint, the decided pool first.
-            lease.release()
-            best = min(allowed, key=lambda b: (b.pool != decision.pool, b.load_estimate))
+        if (allowed is not None and lease.backend not in allowed) or not self._has_room(lease.backend, True):
+            # The policy chose outside the hint, or a full backend: the least loaded with room (of the hint),
+            # the decided pool first; none: shed.
+            lease.finish(None)
+            room = [b for b in (allowed if allowed is not None else pools.backends)
+                    if b.routable and self._has_room(b)]
+            if not room:
+                return Overloaded(f"every backend holds {self.max_per_backend} requests "
+                                  "(max_connections_per_backend); retry later")
+            best = min(room, key=lambda b: (b.pool != decision.pool, b.load_estimate))
             lease, placement = best.lease(), None
+        self._count(decision, placement)
         first = lease.backend
-        # Fallbacks: the other routable backends (within the hint), same pool first, least loaded first.
+        # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded first.
         rest = sorted((b for b in (allowed if allowed is not None else pools.backends)
-                       if b is not first and b.routable),
+                       if b is not first and b.routable and self._has_room(b)),
                       key=lambda b: (b.pool != first.pool, b.load_estimate))
         endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
         return Pick(pools, lease, endpoints, placement, head)
+
+    def _count(self, decision: Decision, placement: Placement | None) -> None:
+        """The decision's metrics, as serve counts them (router.exchange.proxy)."""
+        m = self.metrics
+        if m is None:
+            return
+        m.child(m.decisions, decision.pool, decision.reason).inc()
+        if placement is not None:
+            m.child(m.prefix_decisions, decision.pool, placement.reason).inc()
+            if placement.prompt.hashed:
+                m.child(m.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
+                m.child(m.prefix_expected_cached, decision.pool).inc(placement.expected_cached)

@@ -17,7 +17,7 @@ from grpc_health.v1._async import HealthServicer
 
 from router.body import with_usage
 from router.epp.decide import Decider, Pick, Request
-from router.errors import PayloadTooLarge, RouterError
+from router.errors import Failure, PayloadTooLarge, RouterError
 from router.exchange import BACKEND_HEADER, POOL_HEADER
 from router.streaming import scan_usage, split_events, usage_view
 
@@ -32,6 +32,18 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Where Envoy puts the response attribute deploy/envoy/envoy.yaml asks for: the upstream that answered.
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS = "upstream.address"
+CODE_DETAILS = "response.code_details"
+# Envoy's code details of an answer it made itself after a failed attempt, by what they contain (first match),
+# as the failure serve would have seen (router.errors.Failure).
+ENVOY_FAILURES: tuple[tuple[str, Failure], ...] = (
+    ("connection_timeout", Failure.CONNECT_TIMEOUT),
+    ("local_connection_failure", Failure.LOCAL),  # Envoy's own socket failed: not the backend's fault
+    ("connection_failure", Failure.REFUSED),
+    ("idle_timeout", Failure.IDLE_TIMEOUT),
+    ("response_timeout", Failure.FIRST_BYTE_TIMEOUT),
+    ("per_try_timeout", Failure.FIRST_BYTE_TIMEOUT),
+    ("upstream_reset", Failure.DISCONNECTED),
+)
 HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 # An answer not streamed is kept this far to read its usage (a longer one goes unread); and an SSE event held
 # back until its end comes, at most this long.
@@ -75,11 +87,27 @@ def _served(req: pb.ProcessingRequest) -> str | None:
     return None
 
 
+def failure_of(req: pb.ProcessingRequest) -> Failure | None:
+    """How the attempt failed when the data plane answered itself (Envoy's response code details: a refused or
+    reset connection, an upstream timeout); None for an answer the backend sent."""
+    attrs = req.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is None or CODE_DETAILS not in attrs.fields:
+        return None
+    details = attrs.fields[CODE_DETAILS].string_value
+    if not details.startswith("upstream_"):
+        return None  # via_upstream: the backend's own answer
+    return next((f for marker, f in ENVOY_FAILURES if marker in details), None)
+
+
 def immediate(err: RouterError) -> pb.ProcessingResponse:
-    """The error as the client sees it: OpenAI-style JSON with the error's status."""
+    """The error as the client sees it: OpenAI-style JSON with the error's status (and Retry-After when shed)."""
+    headers = [("content-type", "application/json")]
+    retry_after = getattr(err, "retry_after_s", None)
+    if retry_after is not None:
+        headers.append(("retry-after", str(retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.status),
-        headers=_set_headers([("content-type", "application/json")]),
+        headers=_set_headers(headers),
         body=json.dumps(err.body()).encode(), details=f"epp_{err.code}"))
 
 
@@ -164,7 +192,7 @@ class Exchange:
             served = _served(req)
             if served:
                 self.pick.served(served)
-            self.pick.answered(self.status)
+            self.pick.answered(self.status, failure_of(req))
             mutation = _set_headers([(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)])
             if not self.sse:
                 self.pick.sent()
