@@ -94,11 +94,18 @@ async def _listener_port(admin: str, within: float) -> int:
             await asyncio.sleep(0.05)
 
 
-def spawn_envoy(tmp: Path, epp_port: int) -> subprocess.Popen:
-    """Envoy on port 0 with deploy/envoy/envoy.yaml filled in; its admin address goes to envoy-admin.txt."""
+FAIL_CLOSED = "failure_mode_allow: false"
+
+
+def spawn_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False) -> subprocess.Popen:
+    """Envoy on port 0 with deploy/envoy/envoy.yaml filled in (`failure_mode_allow`: the config's one setting
+    flipped); its admin address goes to envoy-admin.txt."""
+    text = Template(ENVOY_TEMPLATE.read_text()).substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port)
+    assert text.count(FAIL_CLOSED) == 1, "deploy/envoy/envoy.yaml sets failure_mode_allow once"
+    if failure_mode_allow:
+        text = text.replace(FAIL_CLOSED, "failure_mode_allow: true")
     config = tmp / "envoy.yaml"
-    config.write_text(Template(ENVOY_TEMPLATE.read_text()).substitute(
-        LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port))
+    config.write_text(text)
     # --disable-hot-restart: several Envoys (parallel tests) on one machine share no shared-memory region.
     with open(tmp / "envoy.log", "w") as log:
         return subprocess.Popen([str(envoy_binary()), "-c", str(config), "--disable-hot-restart",
@@ -107,9 +114,10 @@ def spawn_envoy(tmp: Path, epp_port: int) -> subprocess.Popen:
                                 stdout=subprocess.DEVNULL, stderr=log)
 
 
-async def start_envoy(tmp: Path, epp_port: int) -> tuple[subprocess.Popen, str, int]:
+async def start_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False
+                      ) -> tuple[subprocess.Popen, str, int]:
     """Envoy started and listening; returns the process, its admin address and its listener port."""
-    proc = spawn_envoy(tmp, epp_port)
+    proc = spawn_envoy(tmp, epp_port, failure_mode_allow)
     try:
         admin = await _wait_admin(tmp / "envoy-admin.txt", proc, tmp / "envoy.log", ENVOY_START_S)
         port = await _listener_port(admin, ENVOY_START_S)
@@ -123,7 +131,8 @@ async def start_envoy(tmp: Path, epp_port: int) -> tuple[subprocess.Popen, str, 
 @pytest.fixture
 async def epp_factory(tmp_path, caplog):
     """`await epp_factory(speculative=[url], baseline=[url], envoy=True, wait_ready=True, resolver=None,
-    **settings)` -> EppStack (`resolver`: router.discovery.Resolver for discovery="dns").
+    failure_mode_allow=False, **settings)` -> EppStack (`resolver`: router.discovery.Resolver for discovery="dns";
+    `failure_mode_allow`: Envoy's ext_proc setting).
     Teardown stops Envoy and the picker and fails the test if an in-flight count went below 0."""
     if EPP_SKIP is not None:
         pytest.skip(EPP_SKIP)
@@ -132,7 +141,7 @@ async def epp_factory(tmp_path, caplog):
     stacks: list[EppStack] = []
 
     async def make(speculative=(), baseline=(), *, envoy: bool = True, wait_ready: bool = True, resolver=None,
-                   **settings) -> EppStack:
+                   failure_mode_allow: bool = False, **settings) -> EppStack:
         values = {**TEST_DEFAULTS, "host": "127.0.0.1", "epp_port": 0, **settings,
                   "speculative": ",".join(speculative), "baseline": ",".join(baseline)}
         epp = Epp(load_settings(None, values, environ={}), resolver=resolver)
@@ -145,7 +154,7 @@ async def epp_factory(tmp_path, caplog):
         if envoy:
             d = tmp_path / f"envoy{len(stacks)}"
             d.mkdir()
-            stack.envoy, stack.admin, listen = await start_envoy(d, port)
+            stack.envoy, stack.admin, listen = await start_envoy(d, port, failure_mode_allow)
             stack.url = f"http://127.0.0.1:{listen}"
         return stack
 

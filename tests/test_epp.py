@@ -225,3 +225,64 @@ async def test_client_cannot_steer_with_the_destination_header(sim_factory, epp_
             **CHAT, extra_headers={"x-gateway-destination-endpoint": base_endpoint})
     assert raw.headers["x-router-backend"] == spec.url
     assert (await sim_stats(base.url))["requests_total"] == 0
+
+
+async def test_backend_refusing_connections_is_ejected_as_refused(sim_factory, epp_factory):
+    # The probes (every 30 s) still call the closed backend up: Envoy's own 503 after the refused connection is
+    # what ejects it, under Envoy's failure name, and the next request goes to the other backend.
+    a, b = await sim_factory("eagle3-tp8"), await sim_factory("baseline-tp8")
+    stack = await epp_factory(speculative=[a.url], baseline=[b.url], eject_consecutive_errors=1,
+                              eject_base_seconds=30, health_interval=30)
+    await a.close()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            first = r.status, await r.text()
+        async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            second = r.status, r.headers.get("x-router-backend")
+    assert first[0] == 503, first
+    assert second == (200, b.url)
+    ejected = stack.epp.pools.backends[0]
+    assert ejected.url == a.url and ejected.state() == "ejected"
+    key = ("speculative", a.url, "refused")
+    assert stack.epp.metrics.registry.get_sample_value(
+        "router_backend_ejections_total", dict(zip(("pool", "backend", "reason"), key, strict=True))) == 1
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+async def test_every_backend_full_is_a_429_the_sdk_reads_as_rate_limited(sim_factory, epp_factory):
+    a, b = await sim_factory("eagle3-tp8", speedup=1.0), await sim_factory("baseline-tp8", speedup=1.0)
+    stack = await epp_factory(speculative=[a.url], baseline=[b.url], max_connections_per_backend=1)
+    long = {**CHAT, "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        held = []
+        try:
+            for _ in range(2):
+                r = await http.post(stack.url + "/v1/chat/completions", json=long)
+                held.append(r)
+                assert r.status == 200
+                await r.content.readline()  # its first chunk: the stream runs
+            assert sorted(stack.inflight().values()) == [1, 1]
+            async with _client(stack) as client:
+                with pytest.raises(openai.RateLimitError) as err:
+                    await client.chat.completions.create(**CHAT)
+            assert err.value.response.headers["retry-after"] == "1"
+            assert err.value.body["code"] == "backends_at_capacity"
+        finally:
+            for r in held:
+                r.close()
+    await poll(lambda: not any(stack.inflight().values()), 10, stack.inflight)
+
+
+@pytest.mark.parametrize("failure_mode_allow", [False, True])
+async def test_picker_gone_is_a_500_from_envoy_either_way(sim_factory, epp_factory, failure_mode_allow):
+    # What docs/DEPLOY.md says: with both bodies FULL_DUPLEX_STREAMED, Envoy 1.40 does not fail open; a picker
+    # it cannot reach is a 500 with an empty body (details ext_proc_error_gRPC_error_14), never an unrouted request.
+    a = await sim_factory("eagle3-tp8")
+    stack = await epp_factory(speculative=[a.url], failure_mode_allow=failure_mode_allow)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        await stack.epp.stop()
+        async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            assert (r.status, await r.read()) == (500, b"")
+    assert (await sim_stats(a.url))["requests_total"] == 1, "the request after the picker died reached no backend"

@@ -219,3 +219,85 @@ async def test_drain_ends_the_leases_of_open_streams(sim_factory, epp_factory):
         await stack.epp.stop()  # SIGTERM's drain: the open stream is cut after drain_timeout
     assert not any(stack.inflight().values())
     assert not stack.epp.processor.open
+
+
+async def test_every_backend_at_its_limit_sheds_a_429_with_retry_after(sim_factory, epp_factory):
+    # one place per backend: the policy's choice when full moves to a backend with room; none left: 429
+    eps, stack = await _three(sim_factory, epp_factory, max_connections_per_backend=1, epp_endpoints=3)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as ch:
+        held = []
+        for _ in range(3):
+            c = Call(ch)
+            await c.send(_headers(REQUEST), _body(BODY))
+            head, _ = await c.read(2)
+            held.append(_picked(head)[0].split(","))
+        assert sorted(h[0] for h in held) == sorted(eps)
+        assert held[0][1:] and not held[2][1:]  # a full backend is no fallback either
+        assert sorted(stack.inflight().values()) == [1, 1, 1]
+        c = Call(ch)
+        await c.send(_headers(REQUEST), _body(BODY))
+        (resp,) = await c.read(1)
+        shed = resp.immediate_response
+        assert shed.status.code == 429
+        headers = {h.header.key: h.header.raw_value.decode() for h in shed.headers.set_headers}
+        assert headers["retry-after"] == "1" and headers["content-type"] == "application/json"
+        err = json.loads(shed.body)["error"]
+        assert err["code"] == "backends_at_capacity" and "max_connections_per_backend" in err["message"]
+        assert sorted(stack.inflight().values()) == [1, 1, 1]  # the shed request holds nothing
+        c.call.cancel()
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+def _failed_upstream(details: str, status: int = 503):
+    """Envoy's own answer after a failed attempt: its status and the response.code_details attribute."""
+    req = _response_headers(status=status)
+    req.attributes["envoy.filters.http.ext_proc"].update({"response.code_details": details})
+    return req
+
+
+def _samples(text: str, name: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {tuple(sorted(s.labels.items())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name}
+
+
+@pytest.mark.parametrize(("details", "reason"), [
+    ("upstream_reset_before_response_started{remote_connection_failure,delayed_connect_error:_111}", "refused"),
+    ("upstream_reset_before_response_started{connection_termination}", "disconnected"),
+    ("upstream_response_timeout", "first_byte_timeout"),
+    ("via_upstream", "5xx"),
+])
+async def test_envoy_failure_details_eject_with_the_failure_name_and_metrics_scrape(sim_factory, epp_factory,
+                                                                                    details, reason):
+    import aiohttp
+
+    eps, stack = await _three(sim_factory, epp_factory, eject_consecutive_errors=1, eject_base_seconds=30,
+                              metrics_host="127.0.0.1", metrics_port=0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as ch:
+        c = Call(ch)
+        await c.send(_headers(REQUEST), _body(BODY))
+        head, _ = await c.read(2)
+        picked = {endpoint_of(u): u for u in stack.inflight()}[_picked(head)[0]]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(stack.epp.metrics_url + "/metrics") as r:
+                assert r.status == 200
+                during = await r.text()
+            await c.send(_failed_upstream(details))
+            await c.read(1)
+            await c.send(_response_body(b"upstream connect error", end=True))
+            await c.read(1)
+            await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+            async with http.get(stack.epp.metrics_url + "/metrics") as r:
+                after = await r.text()
+            async with http.get(stack.epp.metrics_url + "/nope") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        c.call.cancel()
+    pool = next(b.pool for b in stack.epp.pools.backends if b.url == picked)
+    key = (("backend", picked), ("pool", pool))
+    assert _samples(during, "router_inflight_requests")[key] == 1
+    assert sum(_samples(during, "router_route_decisions_total").values()) == 1
+    assert _samples(during, "router_backend_up")[key] == 1
+    assert _samples(after, "router_backend_up")[key] == 0
+    ejections = _samples(after, "router_backend_ejections_total")
+    assert ejections[(("backend", picked), ("pool", pool), ("reason", reason))] == 1
+    assert sum(ejections.values()) == 1
