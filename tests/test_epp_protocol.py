@@ -301,3 +301,12 @@ async def test_envoy_failure_details_eject_with_the_failure_name_and_metrics_scr
     ejections = _samples(after, "router_backend_ejections_total")
     assert ejections[(("backend", picked), ("pool", pool), ("reason", reason))] == 1
     assert sum(ejections.values()) == 1
+
+
+async def test_load_signal_backend_polls_each_backends_own_load_as_in_serve(sim_factory, epp_factory):
+    _, stack = await _three(sim_factory, epp_factory, load_signal="backend", load_interval=0.1)
+    backends = stack.epp.pools.backends
+    await poll(lambda: all(b.reported == 0 for b in backends), 5, lambda: [b.reported for b in backends])
+    reg = stack.epp.metrics.registry
+    assert all(reg.get_sample_value("router_backend_reported_load", {"pool": b.pool, "backend": b.url}) == 0
+               for b in backends)

@@ -18,9 +18,11 @@ from router.epp.server import Processor, build_server, set_health
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.learner import Learner
+from router.loads import LoadPoller
 from router.metrics import Metrics
 from router.pools import Backend
 from router.settings import Settings
+from router.upstream import Client, Limits, make_client
 
 log = logging.getLogger("router.epp")
 
@@ -69,6 +71,10 @@ class Epp:
         self.discovery = (Discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
                           if settings.discovery == "dns" else None)
         self._ready_task: asyncio.Task | None = None
+        # load_signal backend, as in serve: each backend's own running + waiting figures (other pickers' and
+        # routers' requests included), polled through a client of the picker's own (it proxies nothing).
+        self.load_client: Client | None = None
+        self.loads: LoadPoller | None = None
 
     async def start(self) -> int:
         s = self.settings
@@ -88,6 +94,10 @@ class Epp:
             self.discovery.start()
         self.health_checker.start()
         self.learner.start()
+        if s.load_signal == "backend":
+            self.load_client = make_client(s, Limits([], s.max_connections_per_backend))
+            self.loads = LoadPoller(self.pools, s, self.load_client, self.metrics)
+            self.loads.start()
         self._ready_task = asyncio.create_task(self._ready(), name="epp-ready")
         return port
 
@@ -143,6 +153,10 @@ class Epp:
             await self.discovery.stop()
         await self.learner.stop()
         await self.health_checker.stop()
+        if self.loads is not None:
+            await self.loads.stop()
+        if self.load_client is not None:
+            self.load_client.close()
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
             self.metrics_runner = None
