@@ -286,3 +286,17 @@ async def test_picker_gone_is_a_500_from_envoy_either_way(sim_factory, epp_facto
         async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
             assert (r.status, await r.read()) == (500, b"")
     assert (await sim_stats(a.url))["requests_total"] == 1, "the request after the picker died reached no backend"
+
+
+async def test_plain_envoy_cannot_use_a_list_of_endpoints(sim_factory, epp_factory):
+    # The limitation docs/DEPLOY.md states: Envoy's ORIGINAL_DST cluster reads one address, so `ip:port,ip:port`
+    # is "no healthy upstream"; keep epp_endpoints 1 with plain Envoy. Envoy never tried the backend, so
+    # nothing counts against it.
+    a, b = await sim_factory("eagle3-tp8"), await sim_factory("baseline-tp8")
+    stack = await epp_factory(speculative=[a.url], baseline=[b.url], epp_endpoints=2, eject_consecutive_errors=1)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        async with http.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            assert (r.status, await r.text()) == (503, "no healthy upstream")
+    assert [b.state() for b in stack.epp.pools.backends] == ["up", "up"]
+    assert (await sim_stats(a.url))["requests_total"] == (await sim_stats(b.url))["requests_total"] == 0
+    await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)

@@ -33,6 +33,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 UPSTREAM_ADDRESS = "upstream.address"
 CODE_DETAILS = "response.code_details"
+VIA_UPSTREAM = "via_upstream"  # the code details of an answer the backend sent
 # Envoy's code details of an answer it made itself after a failed attempt, by what they contain (first match),
 # as the failure serve would have seen (router.errors.Failure).
 ENVOY_FAILURES: tuple[tuple[str, Failure], ...] = (
@@ -87,15 +88,20 @@ def _served(req: pb.ProcessingRequest) -> str | None:
     return None
 
 
-def failure_of(req: pb.ProcessingRequest) -> Failure | None:
-    """How the attempt failed when the data plane answered itself (Envoy's response code details: a refused or
-    reset connection, an upstream timeout); None for an answer the backend sent."""
+def code_details(req: pb.ProcessingRequest) -> str | None:
+    """Envoy's response code details (None: not sent): via_upstream for the backend's own answer, else why Envoy
+    answered itself."""
     attrs = req.attributes.get(ATTRIBUTES_NAMESPACE)
     if attrs is None or CODE_DETAILS not in attrs.fields:
         return None
-    details = attrs.fields[CODE_DETAILS].string_value
+    return attrs.fields[CODE_DETAILS].string_value
+
+
+def failure_of(details: str) -> Failure | None:
+    """How the attempt failed when Envoy answered itself after trying the backend (a refused or reset connection,
+    an upstream timeout); None when the details name no such failure."""
     if not details.startswith("upstream_"):
-        return None  # via_upstream: the backend's own answer
+        return None
     return next((f for marker, f in ENVOY_FAILURES if marker in details), None)
 
 
@@ -192,7 +198,13 @@ class Exchange:
             served = _served(req)
             if served:
                 self.pick.served(served)
-            self.pick.answered(self.status, failure_of(req))
+            details = code_details(req)
+            if details is None or details == VIA_UPSTREAM:
+                self.pick.answered(self.status)
+            elif (failure := failure_of(details)) is not None:
+                self.pick.answered(self.status, failure)
+            # else Envoy answered without trying the backend (no_healthy_upstream: an address it could not use):
+            # no attempt of the backend's to count.
             mutation = _set_headers([(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)])
             if not self.sse:
                 self.pick.sent()
