@@ -17,7 +17,7 @@ from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
 from router.streaming import Usage
 
-# Seconds a shed request is told to wait (Retry-After): about one request's time to free a place.
+# Seconds a shed request is told to wait (Retry-After): a place frees whenever any request on a full backend ends.
 RETRY_AFTER_S = 1
 
 
