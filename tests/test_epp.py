@@ -300,3 +300,20 @@ async def test_plain_envoy_cannot_use_a_list_of_endpoints(sim_factory, epp_facto
     assert [b.state() for b in stack.epp.pools.backends] == ["up", "up"]
     assert (await sim_stats(a.url))["requests_total"] == (await sim_stats(b.url))["requests_total"] == 0
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+def test_cli_epp_metrics_port_in_use_is_one_line_exit_2():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "router", "epp", "--epp-port", "0", "--metrics-host", "127.0.0.1",
+                              "--metrics-port", str(port), "--baseline", "http://127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"spec-router: error: cannot listen on 127.0.0.1:{port}: "), lines
