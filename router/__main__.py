@@ -1,5 +1,5 @@
-"""CLI: `spec-router serve ...` (= `python -m router serve ...`): parse flags, load Settings, install uvloop, serve
-until SIGTERM, drain."""
+"""CLI: `spec-router serve ...` (= `python -m router serve ...`) and `spec-router epp ...`: parse flags, load
+Settings, install uvloop, serve until SIGTERM, drain."""
 from __future__ import annotations
 
 import argparse
@@ -49,7 +49,8 @@ An OpenAI-compatible reverse proxy in front of a speculative and a baseline pool
 any OpenAI-compatible engine): each request goes to the pool that serves it best at the current load.
 
 commands:
-  serve    run the router (the only command)
+  serve    run the router
+  epp      run the endpoint picker for Envoy (Gateway API Inference Extension; the epp extra)
 
 examples:
   {PROG} serve --speculative http://127.0.0.1:30001 --baseline http://127.0.0.1:30002 --policy adaptive
@@ -75,6 +76,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description="Run the router. Settings come from --config YAML, then ROUTER_<NAME> env vars, then these "
                     "flags (each flag is also a YAML key and an env var).",
     )
+    epp = sub.add_parser(
+        "epp", help="run the endpoint picker for Envoy", allow_abbrev=False, prog=f"{PROG} epp",
+        description="Run the Gateway API Inference Extension endpoint picker (Envoy ext_proc over gRPC on "
+                    "host:epp_port) over the same pools and settings as serve.",
+    )
+    for command in (serve, epp):
+        _add_settings(command)
+    return parser, serve
+
+
+def _add_settings(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", metavar="FILE", help="YAML file of settings (also ROUTER_CONFIG)")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
@@ -89,7 +101,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
             shown = "unset" if default is None else ("***" if "key" in name else default)
             serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description} (default: {shown})")
     serve.set_defaults(**{name: None for name in Settings.model_fields})
-    return parser, serve
 
 
 def _short_usage() -> None:
@@ -99,8 +110,13 @@ def _short_usage() -> None:
 
 def parse(argv: list[str]) -> Settings:
     """Flags to Settings; raises SystemExit(2) with one line on any problem."""
+    return parse_command(argv)[1]
+
+
+def parse_command(argv: list[str]) -> tuple[str, Settings]:
+    """The command (serve or epp) and its Settings; raises SystemExit(2) with one line on any problem."""
     args = build_parser().parse_args(argv)
-    if args.command != "serve":
+    if args.command not in ("serve", "epp"):
         _short_usage()
         raise SystemExit(2)
     overrides = {}
@@ -109,7 +125,7 @@ def parse(argv: list[str]) -> Settings:
         if value is not None:
             overrides[name] = ",".join(value) if _is_list(name) else value
     try:
-        return load_settings(args.config, overrides)
+        return args.command, load_settings(args.config, overrides)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -135,6 +151,33 @@ async def serve(settings: Settings) -> int:
     logging.getLogger("router").info("shutting down: draining for up to %.0f s", settings.drain_timeout)
     # Stops accepting, waits for in-flight requests up to drain_timeout, then cancels the rest.
     await runner.cleanup()
+    return 0
+
+
+async def epp(settings: Settings) -> int:
+    try:
+        from router.epp.app import Epp, ListenError
+    except ImportError as exc:
+        print(f"{PROG}: error: epp needs the epp extra (pip install 'spec-router[epp]'): {exc}", file=sys.stderr)
+        return 2
+    picker = Epp(settings)
+    try:
+        port = await picker.start()
+    except ListenError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # gRPC's own failure to bind
+        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.epp_port}: {exc}", file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"listening on {host}:{port}", flush=True)
+    await stop.wait()
+    logging.getLogger("router").info("shutting down: draining for up to %.0f s", settings.drain_timeout)
+    await picker.stop()
     return 0
 
 
@@ -165,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("-h", "--help"):
         print(SHORT_HELP)
         return 0
-    settings = parse(argv)
+    command, settings = parse_command(argv)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "debug":
@@ -174,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     _raise_fd_limit()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(serve(settings))
+        return runner.run(serve(settings) if command == "serve" else epp(settings))
 
 
 if __name__ == "__main__":

@@ -31,12 +31,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     """The router app; `resolver` replaces the system DNS resolver for `discovery: dns` (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
-    keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
-    # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
-    pools = Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
-                  policy=make_policy(settings), threshold=settings.threshold,
-                  outlier_cfg=settings.outlier(), affinity=make_affinity(settings),
-                  keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
+    pools = build_pools(settings)
     limits = Limits([b.url for b in pools.backends], settings.max_connections_per_backend)
     gauges = exporter.bind(metrics, pools, limits)
     st = RouterState(settings=settings, pools=pools, metrics=metrics, limits=limits,
@@ -66,6 +61,16 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     if settings.metrics_port is not None:
         app.cleanup_ctx.append(_metrics_listener_ctx)
     return app
+
+
+def build_pools(settings: Settings) -> Pools:
+    """The pools of every front end (serve, epp) from the settings: members, policy, ejection, prefix affinity."""
+    keys = {"speculative": settings.speculative_api_key, "baseline": settings.baseline_api_key}
+    # With discovery on, named entries are not backends themselves: their addresses are, once resolved.
+    return Pools(static_entries(settings, "speculative"), static_entries(settings, "baseline"),
+                 policy=make_policy(settings), threshold=settings.threshold,
+                 outlier_cfg=settings.outlier(), affinity=make_affinity(settings),
+                 keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
 
 
 def make_affinity(settings: Settings) -> Affinity | None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from router import outlier
 from router.affinity import Affinity
-from router.core.plugins import Placement
+from router.core.plugins import Filter, Placement
 from router.core.scheduler import Scheduler
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
@@ -294,12 +294,13 @@ class Pools:
         got = self.place(pinned)
         return None if got is None else got[:2]
 
-    def place(self, pinned: str | None = None, prompt: Prompt | None = None
+    def place(self, pinned: str | None = None, prompt: Prompt | None = None, only: Filter | None = None
               ) -> tuple[Lease, Decision, Placement | None] | None:
         """acquire(), with the prompt weighed by the prefix scorer when prefix routing is on (router.core): one
-        snapshot, one decision, then the lease, with no await in between."""
+        snapshot, one decision, then the lease, with no await in between. `only` narrows the endpoints first
+        (the endpoint picker's subset hint and per-backend cap)."""
         sched = self.scheduler
-        got = sched.decide(sched.snapshot(self.backends, pinned, prompt), self.rng)
+        got = sched.decide(sched.snapshot(self.backends, pinned, prompt), self.rng, only)
         if got is None:
             return None
         d, placement = got.decision, got.placement

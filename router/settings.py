@@ -192,6 +192,12 @@ class Settings(BaseSettings):
                                              "more wait in the router (router_upstream_waiting_requests)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
+    epp_port: int = Field(9002, ge=0, le=65535, description="spec-router epp: gRPC port of the Gateway API "
+                          "endpoint picker (ext_proc and gRPC health), on host (0 picks a free one)")
+    epp_endpoints: int = Field(1, ge=1, le=8, description="spec-router epp: endpoints named per request, the "
+                               "picked one first, then fallbacks in retry order (Envoy's ORIGINAL_DST cluster "
+                               "reads one)")
+
     @field_validator("speculative", "baseline", mode="before")
     @classmethod
     def _urls(cls, value: Any) -> Any:

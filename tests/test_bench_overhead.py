@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from aiohttp import web
 
 from bench import fastbackend, overhead, procs
@@ -205,3 +206,42 @@ def test_overhead_bad_flags_one_line_exit_2(args, words):
     r = _run(args, timeout=30)
     assert r.returncode == 2
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr
+
+
+def test_envoy_alone_is_the_picker_config_without_the_picker():
+    with_picker = yaml.safe_load(overhead.envoy_config("http://127.0.0.1:8001", 9002))
+    alone = yaml.safe_load(overhead.envoy_config("http://127.0.0.1:8001", None))
+
+    def filters(config):
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        return [f["name"] for f in hcm["http_filters"]]
+
+    assert filters(with_picker) == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert filters(alone) == ["envoy.filters.http.router"]
+    (cluster,) = alone["static_resources"]["clusters"]
+    assert cluster["type"] == "STATIC" and cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
+        "endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8001}
+    # everything else (listener, timeouts, admin) is the same file's
+    for config in (with_picker, alone):
+        del config["static_resources"]["clusters"]
+    filtered = [f for f in with_picker["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    with_picker["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "http_filters"] = filtered
+    assert with_picker == alone
+
+
+@pytest.mark.timeout(120)
+def test_overhead_envoy_and_envoy_with_the_picker_tiny(tmp_path):
+    if overhead.envoy_path() is None:
+        pytest.skip("Envoy not installed (the epp extra)")
+    out = tmp_path / "o.json"
+    r = _run([*TINY, "--targets", "envoy,envoy+epp", "--repeat", "1", "--json", str(out)], timeout=110)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    for name in ("envoy", "envoy+epp"):
+        s = data["targets"][name]["summary"]
+        assert s["c1_req_per_s"] > 0 and s["chunks_per_s"] > 0 and s["kib_per_idle_stream"] is None
+        assert all(p["errors"] == 0 for figs in data["targets"][name]["runs"] for p in figs.values())
+    assert data["epp_vs_envoy"]["c1_req_per_s_ratio"] > 0
+    assert "| envoy+epp vs envoy alone |" in r.stdout and data["goals"] == []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,11 +20,18 @@ from tests.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("production", "sim")
+OVERLAYS = ("production", "sim", "gateway")
 TARGETS = ("base", *(f"overlays/{o}" for o in OVERLAYS))
 # The oldest Kubernetes the manifests must work on (preStop sleep, autoscaling/v2, policy/v1).
 KUBERNETES_VERSION = "1.32.0"
 POOLS = ("speculative", "baseline")
+# Custom resources kubernetes-validate has no schema for: the Prometheus Operator's (checked structurally), the
+# InferencePool (validated against deploy/k8s/crds/) and Gateway API's Gateway and HTTPRoute (checked below).
+CUSTOM = {"monitoring.coreos.com": {"production": 2, "gateway": 0},
+          "inference.networking.k8s.io": {"gateway": 1},
+          "gateway.networking.k8s.io": {"gateway": 2}}
+INFERENCE_POOL_CRD = K8S / "crds" / "inferencepools.yaml"
+UPSTREAM_CRD = ROOT.parent / "shared" / "reference" / "gateway-api-inference-extension" / "inferencepools-crd.yaml"
 
 
 def _objs(target: str) -> list[dict]:
@@ -70,16 +78,18 @@ def test_renderer_matches_kubectl_kustomize(target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_object_validates_against_the_pinned_kubernetes(target):
-    crds = 0
+    custom = dict.fromkeys(CUSTOM, 0)
     for obj in _objs(target):
-        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-            crds += 1  # Prometheus Operator CRDs: no schema in kubernetes-validate; checked below
+        group = obj["apiVersion"].partition("/")[0]
+        if group in CUSTOM:
+            custom[group] += 1  # no schema in kubernetes-validate; checked below
             continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{_key(obj)}: {exc.message} at {'/'.join(map(str, exc.path))}")
-    assert crds == (2 if target.endswith("production") else 0)
+    overlay = target.rpartition("/")[2]
+    assert custom == {g: counts.get(overlay, 0) for g, counts in CUSTOM.items()}
 
 
 def test_the_validator_rejects_a_broken_manifest():
@@ -218,6 +228,100 @@ def test_operator_monitors_select_the_router_service_and_sglang_pods():
         assert pm["spec"]["podMetricsEndpoints"][0]["port"] == _pod_spec(dep)["containers"][0]["ports"][0]["name"]
     router_pods = _one(objs, "Deployment", "spec-router")["spec"]["template"]["metadata"]["labels"]
     assert not _selects(pm["spec"]["selector"]["matchLabels"], router_pods)
+    assert {o["metadata"]["namespace"] for o in objs} == {"spec-router"}
+
+
+def _inference_pool_schema() -> dict:
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text(encoding="utf-8"))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    assert crd["spec"]["group"] == "inference.networking.k8s.io" and crd["spec"]["names"]["kind"] == "InferencePool"
+    return version["schema"]["openAPIV3Schema"]
+
+
+def test_inference_pool_validates_against_the_crd_schema():
+    import jsonschema
+
+    pool = _one(_objs("overlays/gateway"), "InferencePool", "spec-router")
+    schema = _inference_pool_schema()
+    jsonschema.validate(pool, schema)
+    # the CRD's CEL rule: a Service reference names its port
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") != "Service" or "port" in ref
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+    del broken["spec"]["targetPorts"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def test_inference_pool_crd_is_the_upstream_copy():
+    if not UPSTREAM_CRD.exists():
+        pytest.skip(f"{UPSTREAM_CRD} not here: nothing to compare with")
+    ours = list(yaml.safe_load_all(INFERENCE_POOL_CRD.read_text(encoding="utf-8")))
+    assert ours == list(yaml.safe_load_all(UPSTREAM_CRD.read_text(encoding="utf-8")))
+
+
+def test_gateway_overlay_wires_route_pool_picker_and_sglang_pods(monkeypatch, tmp_path):
+    from router.__main__ import parse_command
+
+    objs = _objs("overlays/gateway")
+    pool = _one(objs, "InferencePool", "spec-router")
+    sglang = [_one(objs, "Deployment", f"sglang-{p}") for p in POOLS]
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    # the pool selects exactly the SGLang pods of both pools, on the port they serve
+    selected = [d for d in deployments
+                if _selects(pool["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+    assert selected == sglang
+    for dep in sglang:
+        assert [{"number": _pod_spec(dep)["containers"][0]["ports"][0]["containerPort"]}] == pool["spec"]["targetPorts"]
+    # the picker's Service, its pods, and the settings they run with
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["failureMode"] == "FailClose"
+    svc = _one(objs, "Service", ref["name"])
+    grpc_port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    epp = _one(objs, "Deployment", ref["name"])
+    assert [d for d in deployments if _selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+            ] == [epp]
+    (c,) = _pod_spec(epp)["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert grpc_port["targetPort"] == "grpc"
+    data, _ = _router_settings(objs)
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump(data))
+    for name in [k for k in os.environ if k.startswith("ROUTER_")]:
+        monkeypatch.delenv(name)
+    assert c["args"][:3] == ["python", "-m", "router"]
+    command, settings = parse_command([*c["args"][3:], "--config", str(config)])
+    assert command == "epp" and settings.host == "0.0.0.0"
+    assert settings.epp_port == ports["grpc"] == ref["port"]["number"]
+    assert settings.metrics_host == "0.0.0.0" and settings.metrics_port == ports["metrics"]
+    assert settings.load_signal == "backend", "several pickers (and the proxy) agree through /v1/loads"
+    assert c["env"][0] == {"name": "ROUTER_CONFIG", "value": "/etc/spec-router/router.yaml"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/etc/spec-router"}
+    # Kubernetes' gRPC probes on the picker's own health services
+    for probe, service in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+        assert c[probe]["grpc"] == {"port": settings.epp_port, "service": service}
+    try:
+        from router.epp.server import HEALTH_SERVICES
+    except ImportError:
+        HEALTH_SERVICES = ("liveness", "readiness")  # the epp extra is not installed: the names as documented
+    assert {"liveness", "readiness"} <= set(HEALTH_SERVICES)
+    pod = _pod_spec(epp)
+    assert pod["terminationGracePeriodSeconds"] > settings.drain_timeout + c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["enableServiceLinks"] is False
+    pdb = _one(objs, "PodDisruptionBudget", ref["name"])
+    assert pdb["spec"]["minAvailable"] < epp["spec"]["replicas"]
+    # the route: the Gateway's listener, the OpenAI API, the InferencePool
+    gw = _one(objs, "Gateway", "inference-gateway")
+    route = _one(objs, "HTTPRoute", "spec-router")
+    assert [r["name"] for r in route["spec"]["parentRefs"]] == [gw["metadata"]["name"]]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
     assert {o["metadata"]["namespace"] for o in objs} == {"spec-router"}
 
 

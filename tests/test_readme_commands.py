@@ -100,11 +100,12 @@ def problems(cmd: str) -> list[str]:
         tokens = cmd[m.end():].split()
     sub = tokens[0].strip("[]") if tokens else ""
     if program == "router":
-        top, serve = router_main._parsers()
+        top, _ = router_main._parsers()
+        (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
         if not sub or sub.startswith("-") or PLACEHOLDER.match(sub):
             parser, rest = top, tokens
-        elif sub == "serve":
-            parser, rest = serve, tokens[1:]
+        elif sub in commands.choices:  # serve, epp
+            parser, rest = commands.choices[sub], tokens[1:]
         else:
             return [f"spec-router has no command {sub!r}"]
     else:
@@ -140,6 +141,7 @@ def test_every_quoted_command_parses():
     ("spec-bench demo --concurency 4", "no flag --concurency"),
     ("python -m router serve --baseli http://x:1", "no flag --baseli"),
     ("spec-router start", "spec-router has no command 'start'"),
+    ("spec-router epp --epp-prot 9002", "no flag --epp-prot"),
 ])
 def test_the_check_catches_a_wrong_command(cmd, why):
     assert problems(cmd) == [why]
@@ -148,7 +150,8 @@ def test_the_check_catches_a_wrong_command(cmd, why):
 def test_the_check_accepts_right_ones():
     for cmd in ("spec-bench demo --concurrency 1,4 --max-tokens 16", ".venv/bin/python -m bench plan x.json",
                 "spec-router serve --speculative URL1 --baseline URL2 --health-path /openapi.json",
-                "spec-router --help", "spec-bench COMMAND --help"):
+                "spec-router --help", "spec-bench COMMAND --help",
+                "spec-router epp --config router.yaml --epp-port 9002 --metrics-host 0.0.0.0 --metrics-port 9090"):
         assert problems(cmd) == [], cmd
 
 

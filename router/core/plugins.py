@@ -152,6 +152,17 @@ class PinnedPool:
         return snap.narrowed(())
 
 
+class Eligible:
+    """Only the endpoints a caller allows before the decision (a gateway's subset hint, a per-backend cap): the
+    decision is made among them, never changed after it."""
+
+    def __init__(self, urls: frozenset[str]) -> None:
+        self.urls = urls
+
+    def filter(self, snap: Snapshot) -> Snapshot:
+        return snap.narrowed(tuple(e for e in snap.view.backends if e.url in self.urls))
+
+
 class Pinned(Fixed):
     """The pinned request's proposal: the least loaded endpoint of the pool it is pinned to, else failover."""
 
@@ -164,5 +175,5 @@ class Pinned(Fixed):
         return in_pool(view, self.pool, PINNED, rng)
 
 
-__all__ = ["FAILOVER", "Choice", "Filter", "Picker", "PinnedPool", "Placement", "PoolScores", "Scored", "Scorer",
+__all__ = ["FAILOVER", "Choice", "Eligible", "Filter", "Picker", "PinnedPool", "Placement", "PoolScores", "Scored", "Scorer",
            "Scores"]

@@ -26,9 +26,10 @@ class Scheduler:
         match = None if self.prefix is None else self.prefix.match
         return Snapshot.take(backends, pinned, prompt, match)
 
-    def decide(self, snap: Snapshot, rng: random.Random) -> Choice | None:
-        """The choice for one request; None when no endpoint is routable. Its decision names the live backend."""
-        for f in self.filters:
+    def decide(self, snap: Snapshot, rng: random.Random, only: Filter | None = None) -> Choice | None:
+        """The choice for one request; None when no endpoint is routable. Its decision names the live backend.
+        `only`: the caller's own filter (plugins.Eligible), applied before the scheduler's."""
+        for f in (self.filters if only is None else (only, *self.filters)):
             snap = f.filter(snap)
         if snap.pinned is not None:
             proposal = Pinned(snap.pinned).decide(snap.view, rng)

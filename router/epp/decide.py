@@ -1,0 +1,217 @@
+"""The endpoint picker's one decision seam: a parsed request in, the ordered endpoints (with the lease that holds
+the first) or the reason to answer at once out. Every call to Pools and Lease of the picker is in this module."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from router.body import Head, parse_head
+from router.core.plugins import Eligible, Placement
+from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError
+from router.exchange import POOL_HEADER, no_backend
+from router.metrics import Metrics
+from router.observe import OK, Attempt, Observation
+from router.policy import POOLS, Decision
+from router.pools import Backend, Lease, Pools
+from router.prefix import prompt_of
+from router.streaming import Usage
+
+# Seconds a shed request is told to wait (Retry-After): a place frees whenever any request on a full backend ends.
+RETRY_AFTER_S = 1
+
+
+def endpoint_of(url: str) -> str:
+    """A backend URL as the protocol names an endpoint: `ip:port`."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the picker reads of one request: its body (None: a request without one), the pin header's value
+    and the data plane's subset hint (None: no hint; a list, maybe empty, restricts the choice)."""
+
+    body: bytes | None
+    pinned: str | None = None
+    subset: list[str] | None = None
+
+
+class Pick:
+    """One request's picked endpoints and the lease on the first; end() ends the lease exactly once."""
+
+    __slots__ = ("pools", "lease", "endpoints", "placement", "head", "inflight_at_start", "t0", "ttft", "chunks",
+                 "data_events", "usage", "_ended")
+
+    def __init__(self, pools: Pools, lease: Lease, endpoints: list[str], placement=None,
+                 head: Head | None = None) -> None:
+        self.pools = pools
+        self.head = head  # the body's stream keys (None: no body)
+        self.lease = lease
+        self.endpoints = endpoints
+        self.placement = placement  # router.core.plugins.Placement, None when prefix routing is off
+        self.inflight_at_start = lease.backend.inflight
+        self.t0 = time.monotonic()
+        self.ttft: float | None = None
+        self.chunks = 0
+        self.data_events = 0
+        self.usage = Usage()
+        self._ended = False
+
+    @property
+    def pool(self) -> str:
+        return self.lease.backend.pool
+
+    @property
+    def url(self) -> str:
+        return self.lease.backend.url
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def served(self, endpoint: str) -> None:
+        """The data plane says which endpoint answered: a fallback's answer moves the lease there."""
+        if self._ended or endpoint == self.endpoints[0]:
+            return
+        b = _by_endpoint(self.pools).get(endpoint)
+        if b is None or b is self.lease.backend:
+            return
+        # Nothing was observed on the first backend: its lease ends without an observation (as a retry's).
+        self.lease.finish(None)
+        self.lease = b.lease()
+        self.inflight_at_start = b.inflight
+
+    def answered(self, status: int, failure: Failure | None = None) -> None:
+        """The response's status: a 5xx counts towards the backend's ejection (outlier detection), as in serve.
+        `failure`: the data plane answered itself because the attempt failed (refused, timed out, reset)."""
+        if not self._ended:
+            self.pools.report_attempt(self.lease.backend, Attempt(failure) if failure else Attempt(OK, status))
+
+    def sent(self) -> None:
+        """The request went to the backend without a stream to watch: it runs from now."""
+        if not self._ended:
+            self.lease.start()
+
+    def chunk(self, data_events: int) -> None:
+        """A streamed chunk came; the first one is the first token."""
+        if self._ended:
+            return
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.t0
+            self.lease.prefilled()
+        self.chunks += 1
+        self.data_events += data_events
+
+    def end(self, ok: bool) -> None:
+        """The backend's part is over (answered, failed, or the stream was reset): the lease ends with what was
+        observed (Lease.finish: reported, then released), once."""
+        if self._ended:
+            return
+        self._ended = True
+        lease = self.lease
+        b = lease.backend
+        u = self.usage
+        streamed = self.ttft is not None
+        lease.finish(Observation(
+            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
+            u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
+            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
+            running_beside=lease.beside if streamed else None,
+            waited_s=lease.waited if streamed else None), self.pools, self.placement)
+
+
+def _by_endpoint(pools: Pools) -> dict[str, Backend]:
+    return {endpoint_of(b.url): b for b in pools.backends}
+
+
+def pinned_pool(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value not in POOLS:
+        raise BadRequest(f"{POOL_HEADER} must be one of {', '.join(POOLS)}", code="invalid_pool")
+    return value
+
+
+class Overloaded(RouterError):
+    """Every backend the request may go to holds max_connections_per_backend requests. serve would queue it in
+    the router; the data plane has no such queue (it would pile the request onto a full backend), so the picker
+    sheds it: 429 with Retry-After, the client's cue to come back."""
+
+    status, type, code = 429, "rate_limit_error", "backends_at_capacity"
+    retry_after_s = RETRY_AFTER_S
+
+
+class Decider:
+    """Decisions over the router's pools; `endpoints`: how many to name (the first holds the lease);
+    `max_per_backend`: requests one backend may hold (serve's max_connections_per_backend; above on every
+    candidate, the request is shed); `metrics`: where decisions are counted (router_route_decisions_total)."""
+
+    def __init__(self, pools: Pools, *, block_bytes: int, endpoints: int = 1, max_per_backend: int | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.pools = pools
+        self.block_bytes = block_bytes
+        self.endpoints = endpoints
+        self.max_per_backend = max_per_backend
+        self.metrics = metrics
+
+    def _has_room(self, b: Backend, leased: bool = False) -> bool:
+        """`b` may take one more request (`leased`: the request's own lease on it is taken already)."""
+        return self.max_per_backend is None or b.inflight - leased < self.max_per_backend
+
+    def decide(self, req: Request) -> Pick | RouterError:
+        """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready, 429 every
+        candidate full)."""
+        try:
+            pinned = pinned_pool(req.pinned)
+            prompt = head = None
+            if req.body is not None:
+                head = parse_head(req.body)
+                if self.pools.affinity is not None:
+                    prompt = prompt_of(head.messages, head.prompt, self.block_bytes)
+        except BadRequest as err:
+            return err
+        pools = self.pools
+        allowed = None
+        if req.subset is not None:
+            by_ep = _by_endpoint(pools)
+            allowed = [by_ep[e] for e in dict.fromkeys(req.subset) if e in by_ep and by_ep[e].routable]
+            if not allowed:
+                return NoHealthyBackend(f"no ready endpoint in the subset hint ({len(req.subset)} named)")
+        only = None
+        if allowed is not None or self.max_per_backend is not None:
+            # The hint and the cap narrow the endpoints before the one decision (router.core), never after it.
+            room = [b for b in (allowed if allowed is not None else pools.backends) if b.routable and self._has_room(b)]
+            if not room:
+                if not any(b.routable for b in pools.backends):
+                    return no_backend(pools.backends)
+                return Overloaded(f"every backend holds {self.max_per_backend} requests "
+                                  "(max_connections_per_backend); retry later")
+            only = Eligible(frozenset(b.url for b in room))
+        got = pools.place(pinned, prompt, only)
+        if got is None:
+            return no_backend(pools.backends)
+        lease, decision, placement = got
+        self._count(decision, placement)
+        first = lease.backend
+        # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded first.
+        rest = sorted((b for b in (allowed if allowed is not None else pools.backends)
+                       if b is not first and b.routable and self._has_room(b)),
+                      key=lambda b: (b.pool != first.pool, b.load_estimate))
+        endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
+        return Pick(pools, lease, endpoints, placement, head)
+
+    def _count(self, decision: Decision, placement: Placement | None) -> None:
+        """The decision's metrics, as serve counts them (router.exchange.proxy)."""
+        m = self.metrics
+        if m is None:
+            return
+        m.child(m.decisions, decision.pool, decision.reason).inc()
+        if placement is not None:
+            m.child(m.prefix_decisions, decision.pool, placement.reason).inc()
+            if placement.prompt.hashed:
+                m.child(m.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
+                m.child(m.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
