@@ -16,8 +16,8 @@ ADAPTIVE_TABLE = tuple((lo, (_KEYS[i + 1] - 1) if i + 1 < len(_KEYS) else 10**9,
 DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70, 100, 250)
 NOISE = 0.03  # a setting must beat the baseline by this much to be recommended (the bench's noise band)
 # How far a recommendation's inputs may be off: a drafter's per-token acceptance is rarely known closer than this
-# either side of the stated one, and the step-cost model's speedups missed published ones by about this much
-# (docs/SIMULATOR.md "Held-out evidence": -14% and -16% where nothing was fitted to the row).
+# either side of the stated one, and the step-cost model missed published rows by about this much where nothing
+# was fitted to the row (docs/SIMULATOR.md "Held-out evidence": a speedup -14%, a decode speed -16%).
 ALPHA_BAND = 0.1
 MODEL_ERROR = 0.15
 ALPHA_LIMITS = (0.01, 0.99)  # a chain's acceptance stays a probability at the band's ends
@@ -336,11 +336,10 @@ def render(adv: Advice) -> str:
     return "\n".join(lines)
 
 
-def _label(choices: tuple[str, ...], span: tuple[float, float] | None) -> str:
+def _label(choices: tuple[str, ...], span: tuple[float, float]) -> str:
     """`adaptive 2.1-3.4x`, or `uncertain: chain4 1.2-1.9x or chain3`: the range is the first-named setting's."""
-    lo, hi = (None, None) if span is None else (f"{span[0]:.2f}", f"{span[1]:.2f}")
-    first = choices[0] if choices[0] == "baseline" or span is None else \
-        f"{choices[0]} {lo}x" if lo == hi else f"{choices[0]} {lo}-{hi}x"
+    lo, hi = f"{span[0]:.2f}", f"{span[1]:.2f}"
+    first = choices[0] if choices[0] == "baseline" else f"{choices[0]} {lo}x" if lo == hi else f"{choices[0]} {lo}-{hi}x"
     if len(choices) == 1:
         return first
     return "uncertain: " + ", ".join([first, *choices[1:-1]]) + f" or {choices[-1]}"
