@@ -91,6 +91,12 @@ def advise_args(p) -> None:
                                                                   "measured)")
     g.add_argument("--chain-alpha", type=positive(float), help="per-token acceptance of a topk-1 chain (default "
                                                                 "0.7, an assumption; plan also shows 0.55 and 0.8)")
+    g.add_argument("--chain-alpha-band", type=nonneg, metavar="D",
+                   help="each recommendation's range: chain acceptance this much either side of --chain-alpha "
+                        f"(default {planmodel.ALPHA_BAND:g}; 0 if you measured it)")
+    g.add_argument("--model-error", type=nonneg, metavar="E",
+                   help="each recommendation's range: every speculative setting's speedup x (1 +- E), the step-cost "
+                        f"model's held-out error (default {planmodel.MODEL_ERROR:g}; docs/SIMULATOR.md)")
     g.add_argument("--levels", type=int_list, help="concurrency levels (default 1,2,5,10,30,70,100,250)")
     g.add_argument("--max-tokens", type=positive(int), default=512, help="output tokens per request (default 512)")
     g.add_argument("--prompt-tokens", type=positive(float), default=23.0, help="prompt tokens (default 23)")
@@ -108,6 +114,10 @@ def advise_inputs(ns) -> planmodel.Inputs | None:
         raise ArgError("--mem-fraction-static must be between 0 and 1")
     if ns.chain_alpha is not None and not 0 < ns.chain_alpha < 1:
         raise ArgError("--chain-alpha must be between 0 and 1")
+    if ns.chain_alpha_band is not None and not ns.chain_alpha_band < 1:
+        raise ArgError("--chain-alpha-band must be below 1")
+    if ns.model_error is not None and not ns.model_error < 1:
+        raise ArgError("--model-error must be below 1 (0.15 is 15%)")
     given = any(getattr(ns, k) is not None for k in MEMORY_FLAGS + ("interconnect", "tp4_step_ratio", "gpu"))
     if not (ns.preset or ns.shape or given):
         return None
@@ -151,5 +161,9 @@ def advise_inputs(ns) -> planmodel.Inputs | None:
         kw["tree_accept"] = ns.accept_length
     if ns.chain_alpha is not None:
         kw["alpha"] = ns.chain_alpha
+    if ns.chain_alpha_band is not None:
+        kw["alpha_band"] = ns.chain_alpha_band
+    if ns.model_error is not None:
+        kw["model_error"] = ns.model_error
     return planmodel.Inputs(box=box, model=model, hw=hw, max_tokens=ns.max_tokens, prompt_tokens=ns.prompt_tokens,
                             tp4_step_ratio=ns.tp4_step_ratio, **kw)

@@ -15,6 +15,12 @@ ADAPTIVE_TABLE = tuple((lo, (_KEYS[i + 1] - 1) if i + 1 < len(_KEYS) else 10**9,
                         tuple(specadaptive.DEFAULT_CONFIG[str(lo)]["candidate_steps"])) for i, lo in enumerate(_KEYS))
 DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70, 100, 250)
 NOISE = 0.03  # a setting must beat the baseline by this much to be recommended (the bench's noise band)
+# How far a recommendation's inputs may be off: a drafter's per-token acceptance is rarely known closer than this
+# either side of the stated one, and the step-cost model missed published rows by about this much where nothing
+# was fitted to the row (docs/SIMULATOR.md "Held-out evidence": a speedup -14%, a decode speed -16%).
+ALPHA_BAND = 0.1
+MODEL_ERROR = 0.15
+ALPHA_LIMITS = (0.01, 0.99)  # a chain's acceptance stays a probability at the band's ends
 
 
 def adaptive_steps(batch: int) -> tuple[int, ...]:
@@ -37,6 +43,8 @@ class Inputs:
     alpha_range: tuple[float, float] = stepcost.CHAIN_ALPHA_RANGE
     chains: tuple[int, ...] = (1, 2, 3, 4)
     tp4_step_ratio: float | None = None  # measured by the user; None: the model's
+    alpha_band: float = ALPHA_BAND  # the recommendation's range: acceptance alpha +- this
+    model_error: float = MODEL_ERROR  # ... and every speculative setting's speedup x (1 +- this)
 
 
 @dataclass
@@ -55,6 +63,12 @@ class Advice:
     tp4_ratio: float | None = None
     tp4_ratio_source: str = ""
     breakeven: dict[int, float] = field(default_factory=dict)  # level -> the TP4/TP8 step ratio the split needs
+    # inside the inputs' range (alpha_band, model_error): every winner per level, the nominal one first, and the
+    # nominal winner's figure over the baseline's (throughput ratio; baseline ms per token / its own), low and high
+    tput_choices: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    tput_range: dict[int, tuple[float, float]] = field(default_factory=dict)
+    latency_choices: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    latency_range: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def _settings(inp: Inputs, alpha: float) -> dict[str, Speculative]:
@@ -137,22 +151,65 @@ def advise(inp: Inputs) -> Advice:
         adv.best_tput = adv.best_latency = {c: "baseline" for c in inp.levels}
         return adv
     adv.why = _why(box, inp)
-    for name, spec in _settings(inp, inp.alpha).items():
-        adv.tput[name], adv.tpot[name] = _curve(box, spec, inp, tp)
-    adv.tput["adaptive"], adv.tpot["adaptive"], adv.adaptive_choice = _adaptive(box, inp, inp.alpha, tp)
+    seen: dict[float, tuple[dict, dict]] = {}
+
+    def at(a: float) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+        """Every setting's throughput and ms per token at chain acceptance a (each acceptance computed once)."""
+        if a not in seen:
+            tput, tpot = {}, {}
+            for name, spec in _settings(inp, a).items():
+                tput[name], tpot[name] = _curve(box, spec, inp, tp)
+            tput["adaptive"], tpot["adaptive"], choice = _adaptive(box, inp, a, tp)
+            if a == inp.alpha:
+                adv.adaptive_choice = choice
+            seen[a] = tput, tpot
+        return seen[a]
+
+    adv.tput, adv.tpot = at(inp.alpha)
     adv.best_tput = _winners(adv.tput, inp.levels)
     adv.best_latency = _winners(adv.tpot, inp.levels, higher=False)
     lo, hi = inp.alpha_range
     for a in (lo, inp.alpha, hi):
-        tput = {n: _curve(box, s, inp, tp)[0] for n, s in _settings(inp, a).items()}
-        tput["adaptive"] = _adaptive(box, inp, a, tp)[0]
-        adv.alpha_sweep[a] = _winners(tput, inp.levels)
+        adv.alpha_sweep[a] = _winners(at(a)[0], inp.levels)
+    _ranges(adv, at)
     _split(adv, box, inp)
     if fits[memory.COLOCATED].fits:
         # global routing on a co-located pair: one server serves everything (interleaving cost left out)
         spec_name = max((n for n in adv.tput if n not in ("baseline", "adaptive")), key=lambda n: adv.tput[n][1])
         adv.colocated = {c: max(adv.tput[spec_name][c], adv.tput["baseline"][c]) for c in inp.levels}
     return adv
+
+
+def _ranges(adv: Advice, at) -> None:
+    """What the inputs' range allows at each level: acceptance alpha +- alpha_band (five points, so a winner that
+    changes between the ends is seen) and every speculative setting's speedup over the baseline off by
+    model_error either way. A level is uncertain where the winner changes anywhere inside that range."""
+    inp, levels = adv.inputs, adv.inputs.levels
+    lo, hi = (max(ALPHA_LIMITS[0], inp.alpha - inp.alpha_band), min(ALPHA_LIMITS[1], inp.alpha + inp.alpha_band))
+    alphas = sorted({lo, (lo + inp.alpha) / 2, inp.alpha, (inp.alpha + hi) / 2, hi})
+    errors = sorted({1 - inp.model_error, 1.0, 1 + inp.model_error})
+    for higher, nominal, choices_out, range_out in ((True, adv.best_tput, adv.tput_choices, adv.tput_range),
+                                                    (False, adv.best_latency, adv.latency_choices, adv.latency_range)):
+        found = {c: [nominal[c]] for c in levels}
+        ratios: dict[int, list[float]] = {c: [] for c in levels}
+        for a in alphas:
+            figures = at(a)[0 if higher else 1]
+            for err in errors:
+                # throughput x err; ms per token / err: the setting's speedup over the baseline x err either way
+                scaled = {n: d if n == "baseline" else {c: (v * err if higher else v / err) for c, v in d.items()}
+                          for n, d in figures.items()}
+                win = _winners(scaled, levels, higher)
+                for c in levels:
+                    if win[c] not in found[c]:
+                        found[c].append(win[c])
+                    rec, base = scaled[nominal[c]][c], scaled["baseline"][c]
+                    ratios[c].append(rec / base if higher else base / rec)
+        for c in levels:
+            first, rest = found[c][0], found[c][1:]
+            nom = adv.tput if higher else adv.tpot
+            rest.sort(key=lambda n: -nom[n][c] if higher else nom[n][c])
+            choices_out[c] = (first, *rest)
+            range_out[c] = (min(ratios[c]), max(ratios[c]))
 
 
 def _split(adv: Advice, box: Box, inp: Inputs) -> None:
@@ -248,7 +305,19 @@ def render(adv: Advice) -> str:
         lines.append("    (its controller picks by measured acceptance, not cost: `spec-bench sim --profile "
                      "PRESET.adaptive-tp8` runs it; `spec-bench demo --preset PRESET` compares it)")
     lines.append("")
-    if spec_ok:
+    if spec_ok and adv.tput_choices:
+        lines.append("RUN (throughput): " + _ranged_bands(adv.tput_choices, adv.tput_range))
+        lines.append("RUN (latency, ms per output token of a running request): "
+                     + _ranged_bands(adv.latency_choices, adv.latency_range))
+        lo = max(ALPHA_LIMITS[0], inp.alpha - inp.alpha_band)
+        hi = min(ALPHA_LIMITS[1], inp.alpha + inp.alpha_band)
+        accept = f"{lo:g}-{hi:g} around the stated {inp.alpha:g}" if lo < hi else f"{inp.alpha:g}"
+        lines.append(f"  (each with the range its inputs allow: chain acceptance {accept}, and the model's held-out "
+                     f"error, every speculative setting's speedup x {1 - inp.model_error:g}-{1 + inp.model_error:g} "
+                     "(docs/SIMULATOR.md \"Held-out evidence\"), the widest of a band's levels; "
+                     f"Nx = the setting's throughput, or for latency its speed per token, over the TP{g} baseline's; "
+                     "\"uncertain: X or Y\" where the winner changes inside that range)")
+    elif spec_ok:
         lines.append("RUN (throughput): " + _bands(adv.best_tput))
         lines.append("RUN (latency, ms per output token of a running request): " + _bands(adv.best_latency))
     else:
@@ -265,6 +334,30 @@ def render(adv: Advice) -> str:
     lines.append("")
     lines += _split_lines(adv)
     return "\n".join(lines)
+
+
+def _label(choices: tuple[str, ...], span: tuple[float, float]) -> str:
+    """`adaptive 2.1-3.4x`, or `uncertain: chain4 1.2-1.9x or chain3`: the range is the first-named setting's."""
+    lo, hi = f"{span[0]:.2f}", f"{span[1]:.2f}"
+    first = choices[0] if choices[0] == "baseline" else f"{choices[0]} {lo}x" if lo == hi else f"{choices[0]} {lo}-{hi}x"
+    if len(choices) == 1:
+        return first
+    return "uncertain: " + ", ".join([first, *choices[1:-1]]) + f" or {choices[-1]}"
+
+
+def _ranged_bands(choices: dict[int, tuple[str, ...]], span: dict[int, tuple[float, float]]) -> str:
+    """Adjacent levels with the same choices in one band, its range the widest of theirs."""
+    parts: list[tuple[list[int], tuple[str, ...]]] = []
+    for c, ch in choices.items():
+        if parts and parts[-1][1] == ch:
+            parts[-1][0].append(c)
+        else:
+            parts.append(([c], ch))
+    out = []
+    for cs, ch in parts:
+        band = (min(span[c][0] for c in cs), max(span[c][1] for c in cs))
+        out.append(f"c={cs[0]}" + (f"-{cs[-1]}" if len(cs) > 1 else "") + ": " + _label(ch, band))
+    return "; ".join(out)
 
 
 def _pick(name: str, spec_ok: bool) -> str:
@@ -320,6 +413,10 @@ def advice_json(adv: Advice) -> dict:
             "ms_per_token": {n: {str(c): v for c, v in d.items()} for n, d in adv.tpot.items()},
             "run_throughput": {str(c): n for c, n in adv.best_tput.items()},
             "run_latency": {str(c): n for c, n in adv.best_latency.items()},
+            "run_throughput_choices": {str(c): list(ch) for c, ch in adv.tput_choices.items()},
+            "run_throughput_range": {str(c): list(r) for c, r in adv.tput_range.items()},
+            "run_latency_choices": {str(c): list(ch) for c, ch in adv.latency_choices.items()},
+            "run_latency_range": {str(c): list(r) for c, r in adv.latency_range.items()},
             "adaptive_steps": {str(c): k for c, k in adv.adaptive_choice.items()},
             "alpha_sweep": {str(a): {str(c): n for c, n in d.items()} for a, d in adv.alpha_sweep.items()},
             "split_breakeven_ratio": {str(c): v for c, v in adv.breakeven.items()},

@@ -167,3 +167,66 @@ def test_the_settings_are_defined_where_they_first_appear_and_counts_agree_in_nu
     assert "chainN = a topk-1 chain of N draft steps" in lines[first - 1]
     adaptive = next(ln for ln in lines if ln.startswith("  adaptive = "))
     assert "1 steps" not in adaptive and ": 1 step," in adaptive and ": 3 steps," in adaptive
+
+
+def _advise(preset: str, **kw) -> planmodel.Advice:
+    from bench.sim import memory, stepcost
+    box = presets.box(preset)
+    return planmodel.advise(planmodel.Inputs(box=box, model=stepcost.memory_model(box.shape),
+                                             hw=memory.Hardware(8, box.gpu.memory_gib), **kw))
+
+
+def test_every_winner_inside_the_acceptance_band_is_named_and_a_stable_one_alone():
+    # The band's ends, each planned on its own with no range, must both be among the choices at the stated
+    # acceptance; where all three agree and the model's error is 0, the level names one setting.
+    mid = _advise("kimi-k25-h200-nvlink", model_error=0.0)
+    ends = [_advise("kimi-k25-h200-nvlink", alpha=a, alpha_band=0.0, model_error=0.0) for a in (0.6, 0.8)]
+    for c in mid.inputs.levels:
+        winners = {mid.best_tput[c]} | {e.best_tput[c] for e in ends}
+        assert winners <= set(mid.tput_choices[c]), c
+        assert mid.tput_choices[c][0] == mid.best_tput[c]
+    none = _advise("kimi-k25-h200-nvlink", alpha_band=0.0, model_error=0.0)
+    assert all(len(ch) == 1 for ch in none.tput_choices.values())
+    for c, (lo, hi) in none.tput_range.items():
+        assert lo == hi == pytest.approx(none.tput[none.best_tput[c]][c] / none.tput["baseline"][c])
+
+
+def test_the_models_error_scales_the_speedup_and_can_bring_the_baseline_back():
+    e = 0.15
+    adv = _advise("seed", alpha_band=0.0, model_error=e)
+    for c in adv.inputs.levels:
+        name = adv.best_tput[c]
+        if name == "baseline":
+            continue
+        ratio = adv.tput[name][c] / adv.tput["baseline"][c]
+        assert adv.tput_range[c] == pytest.approx((ratio * (1 - e), ratio * (1 + e)))
+        # a speedup that error can push under the noise band leaves the baseline as a possible winner
+        assert ("baseline" in adv.tput_choices[c]) == (ratio * (1 - e) < 1 + planmodel.NOISE), c
+
+
+def test_plan_says_uncertain_where_the_winner_changes_and_carries_each_range(capsys, tmp_path):
+    rc, out, _ = run(capsys, "--preset", "kimi-k25-h200-nvlink", "--json", str(tmp_path / "p.json"))
+    assert rc == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("RUN (throughput): "))
+    bands = dict(b.split(": ", 1) for b in line.removeprefix("RUN (throughput): ").split("; "))
+    assert bands["c=1"].startswith("adaptive ") and bands["c=1"].endswith("x")  # one winner, with its range
+    assert bands["c=10"].startswith("uncertain: chain4 ") and bands["c=10"].endswith(" or chain3")
+    assert "chain acceptance 0.6-0.8 around the stated 0.7" in out and "x 0.85-1.15" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["run_throughput_choices"]["10"] == ["chain4", "chain3"]
+    lo, hi = data["run_throughput_range"]["1"]
+    assert f"adaptive {lo:.2f}-{hi:.2f}x" == bands["c=1"]
+    # a measured acceptance and no model error: one setting per level again
+    rc, out, _ = run(capsys, "--preset", "kimi-k25-h200-nvlink", "--chain-alpha-band", "0", "--model-error", "0")
+    line = next(ln for ln in out.splitlines() if ln.startswith("RUN (throughput): "))
+    assert rc == 0 and "uncertain" not in line
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--preset", "seed", "--model-error", "1.5"], "--model-error must be below 1"),
+    (["--preset", "seed", "--chain-alpha-band", "-0.1"], "must be >= 0"),
+    (["--preset", "seed", "--chain-alpha-band", "1"], "--chain-alpha-band must be below 1"),
+])
+def test_bad_range_flags_one_line_exit_2(capsys, argv, msg):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and msg in err and err.count("\n") == 1 and out == ""
