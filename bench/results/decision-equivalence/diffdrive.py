@@ -10,19 +10,19 @@ Output: bench/results/decision-equivalence/diffdrive.txt (the cmp and the count)
 import random
 import sys
 
+from router import prefix
 from router.affinity import Affinity
 from router.observe import LoadFigures, Observation
 from router.pools import Pools
-from router import prefix
 
 try:
-    from router.policies import Spillover, LeastInflight
     from router.adaptive import Adaptive
+    from router.policies import LeastInflight, Spillover
     def pol(kind):
         return {"spill": lambda: Spillover(3), "least": LeastInflight, "adaptive": lambda: Adaptive()}[kind]()
 except ImportError:
-    from router.policy import build
     from router.adaptive import Adaptive
+    from router.policy import build
     def pol(kind):
         return {"spill": lambda: build("spillover", threshold=3), "least": lambda: build("least-inflight"),
                 "adaptive": lambda: Adaptive()}[kind]()
@@ -37,7 +37,7 @@ def run(seed, kind):
     convs = [bytes(rng.getrandbits(8) for _ in range(20000)) for _ in range(6)]
     turns = [1] * 6
     out, held = [], []
-    for step in range(600):
+    for _step in range(600):
         r = rng.random()
         if r < 0.5:
             c = rng.randrange(6)
