@@ -11,7 +11,7 @@ import typing
 from typing import NoReturn
 
 from router.cliargs import OneLineParser
-from router.settings import ConfigError, Settings, load_settings
+from router.settings import OLD_NAMES, ConfigError, Settings, load_settings
 
 PROG = "spec-router"  # one name in every usage and error line (python -m router runs the same)
 
@@ -23,7 +23,8 @@ class _Parser(OneLineParser):
 
 
 def _is_list(name: str) -> bool:
-    return typing.get_origin(Settings.model_fields[name].annotation) is list
+    field = Settings.model_fields.get(name)
+    return field is not None and typing.get_origin(field.annotation) is list
 
 
 def _metavar(annotation: object) -> str:
@@ -100,7 +101,9 @@ def _add_settings(serve: argparse.ArgumentParser) -> None:
             default = field.default
             shown = "unset" if default is None else ("***" if "key" in name else default)
             serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description} (default: {shown})")
-    serve.set_defaults(**{name: None for name in Settings.model_fields})
+    for old in OLD_NAMES:  # still taken, not listed: --help shows the new name
+        serve.add_argument("--" + old.replace("_", "-"), dest=old, help=argparse.SUPPRESS)
+    serve.set_defaults(**{name: None for name in (*Settings.model_fields, *OLD_NAMES)})
 
 
 def _short_usage() -> None:
@@ -120,7 +123,7 @@ def parse_command(argv: list[str]) -> tuple[str, Settings]:
         _short_usage()
         raise SystemExit(2)
     overrides = {}
-    for name in Settings.model_fields:
+    for name in (*Settings.model_fields, *OLD_NAMES):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = ",".join(value) if _is_list(name) else value

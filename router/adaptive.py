@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from router.acceptdrift import AcceptDrift
+from router.core.figures import Figures
 from router.estimator import SpeedEstimator, sample, uncached_tokens
 from router.explorer import Explorer
 from router.policy import EXPLORE, GAIN, POOLS, BackendView, Decision, View, healthy, sole_pool
@@ -28,7 +29,11 @@ class Adaptive:
 
     The models feed on finished exchanges (observe); with load_signal backend, /v1/loads sets the queue limit and
     rescales them when the accept length moves. Routing uses a published copy of each model that moves only when
-    the fit moved by more than `deadband`, so noise cannot flip decisions back and forth."""
+    the fit moved by more than `deadband`, so noise cannot flip decisions back and forth.
+
+    The figures it shares with the prefix scorer (the running limits backends report, output tokens per request)
+    it reads from `figures` (router.core.figures). router.pools.Pools shares its store (share_figures) and updates
+    it once per event; a bare policy (tests, replays) keeps its own store up itself."""
 
     name = "adaptive"
 
@@ -37,8 +42,10 @@ class Adaptive:
                  priors: Mapping[str, tuple[float, float]] | None = None, defer_fits: bool = False,
                  tuning: Tuning = DEFAULT) -> None:
         self.tuning = tuning
+        self.figures = Figures()
+        self.keeps_figures = True  # no Pools updates its store: observe / observe_loads do (share_figures)
         self.speeds = SpeedEstimator(tuning, forgetting=forgetting, deadband=deadband, max_running=max_running,
-                                     priors=priors, defer_fits=defer_fits)
+                                     priors=priors, defer_fits=defer_fits, figures=self.figures)
         self.rule = DecisionRule(self.speeds, objective)
         self.explorer = Explorer(self.speeds, explore, objective)
         self.speeds.seen = self.explorer.seen
@@ -52,6 +59,11 @@ class Adaptive:
     max_running = property(lambda self: self.speeds.max_running)
     priors = property(lambda self: self.speeds.priors)
     defer_fits = property(lambda self: self.speeds.defer_fits)
+
+    def share_figures(self, figures: Figures) -> None:
+        """Read `figures`, which router.pools.Pools updates (before this policy hears the same event)."""
+        self.figures = self.speeds.figures = figures
+        self.keeps_figures = False
 
     def pool_model(self, pool: str) -> SpeedModel:
         return self.speeds.pool_model(pool)
@@ -78,6 +90,8 @@ class Adaptive:
 
     # ---- learning
     def observe(self, obs: Observation) -> None:
+        if self.keeps_figures:
+            self.figures.observe(obs)
         self.speeds.observe(obs)
 
     def learn(self, work: int | None = None) -> bool:
@@ -88,10 +102,13 @@ class Adaptive:
         is not folded in: a decode-only window average on the server's clock, it drifted the models it was
         checked against; the router's own timings are the samples.)"""
         est = self.speeds
+        if self.keeps_figures:
+            self.figures.observe_loads(url, figs)
+        # The setting, else the limit this answer reported (the store keeps it: router.core.figures).
         limit = figs.max_running if est.max_running is None else est.max_running
         est.join(url, pool)
         if limit is not None:
-            est.report_limit(url, pool, limit)
+            est.set_limit(url, pool, limit)
         if figs.accept_length is not None and figs.accept_length > 0:
             spread = est.spreads.get(url, est.spreads.get(pool, 0.0))
             factor = self.drift.poll(url, figs.accept_length, figs.running, spread)
@@ -150,7 +167,7 @@ class Adaptive:
             "url": b.url, "pool": b.pool, "healthy": b.healthy, "load": b.load_estimate,
             "accept_length": self.drift.accept.get(b.url),
             "uses": "instance" if est.models[b.url].samples >= self.tuning.min_instance_samples else "pool",
-            "max_running_from": ("settings" if est.max_running is not None else "loads" if b.url in est.reported
+            "max_running_from": ("settings" if est.max_running is not None else "loads" if est.reported(b.url)
                                  else "inferred" if est.models[b.url].max_running is not None else None),
             # What the inference has seen (router.queuelimit): the most running at once, and the requests in a
             # row since that could have shown more and did not.
@@ -160,7 +177,7 @@ class Adaptive:
             "predicted_tok_s": round(est.params(b).throughput(b.load_estimate), 1)} for b in view.backends]
         return {"policy": self.name, "objective": self.objective, "forgetting": self.forgetting,
                 "explore": self.explore, "deadband": self.deadband, "decisions": self.explorer.decisions,
-                "tokens_per_request": round(est.tokens, 1),
+                "tokens_per_request": round(self.figures.output_tokens, 1),
                 # Samples folded unmoved, kept until the prompt covariate is measured (Tuning.max_early): the
                 # models are then rebuilt from them moved.
                 "samples_unmoved": est.unmoved(),

@@ -70,7 +70,7 @@ class Affinity:
         k = self.block_bytes / fig.bytes_per_token  # tokens per block
         held = min(ptok, int(max(depths) * k))
         c = fig.costs(cands[0].pool)
-        p, w, slot_s = c.prefill_s, c.wait_s, c.tpot_s * fig.output_tokens
+        p, w, slot_s = c.ttft_s_per_token, c.wait_s, c.tpot_s * fig.output_tokens
         scored = []
         for b, d in zip(cands, depths, strict=True):
             # Expected TTFT: the prefill queued there (the uncached prompt tokens of this router's requests with
@@ -86,7 +86,7 @@ class Affinity:
                 wait += (load - limit + 1) * slot_s / limit
             have = int(d * k)
             scored.append(Scored(b, min(wait, MAX_LOAD_TERM_S) + p * (max(0, ptok - have) + max(0, held - have)), d))
-        return PoolScores(cands[0].pool, tuple(scored), fig.output_tokens * c.tpot_s, c.prefill_s)
+        return PoolScores(cands[0].pool, tuple(scored), fig.output_tokens * c.tpot_s, c.ttft_s_per_token)
 
     def score(self, snap: Snapshot, proposal: Decision) -> Scores:
         """The prices of the proposed pool's instances and, when the request may move, of the other pool's."""

@@ -78,7 +78,7 @@ def make_affinity(settings: Settings) -> Affinity | None:
     if not settings.prefix_routing:
         return None
     return Affinity(block_bytes=settings.prefix_block_bytes, capacity_tokens=settings.prefix_capacity_tokens,
-                    cross_pool=settings.prefix_cross_pool, max_running=settings.adaptive_max_running)
+                    cross_pool=settings.prefix_cross_pool, max_running=settings.max_running_requests)
 
 
 def _add(app: web.Application, method: str, path: str, handler) -> None:

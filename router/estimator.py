@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from router.core.figures import Figures
 from router.policy import BackendView, other
 from router.queuelimit import QueueWitness
 from router.speedmodel import Params, PrefillModel, SpeedModel, shrink
@@ -127,11 +128,13 @@ Event = Take | Joined | Limit | Rescale
 
 class SpeedEstimator:
     """The models and their published copies. `seen(pool)`: told of each sample folded live (exploration's clock);
-    `max_running`: a queue limit set for every backend (None: reported, else inferred)."""
+    `max_running`: a queue limit set for every backend (None: reported, else inferred); `figures`: the figures
+    store (router.core.figures) whose reported running limits it reads."""
 
     def __init__(self, tuning: Tuning = DEFAULT, *, forgetting: float = 0.99, deadband: float = 0.01,
                  max_running: int | None = None, priors: Mapping[str, tuple[float, float]] | None = None,
-                 defer_fits: bool = False, seen: Callable[[str], None] | None = None) -> None:
+                 defer_fits: bool = False, seen: Callable[[str], None] | None = None,
+                 figures: Figures | None = None) -> None:
         self.t = tuning
         self.forgetting = forgetting
         self.deadband = deadband
@@ -140,10 +143,10 @@ class SpeedEstimator:
         # Big refits are left to learn() (SpeedModel.defer): the router runs them in steps between its other work.
         self.defer_fits = defer_fits
         self.seen = seen
+        self.figures = figures if figures is not None else Figures()
         self.replaying = False
         self.reset()
         self.prefill: dict[str, PrefillModel] = {}  # by pool name, by backend URL, and EVERY
-        self.reported: set[str] = set()  # backends whose /v1/loads gave their max_running_requests
         self.witness: dict[str, QueueWitness] = {}  # the queue limit of the others, inferred (router.queuelimit)
         # What fed the models while the covariate is unmeasured, in order: the models are rebuilt from it, the
         # samples moved, once it is (rebuild). None once rebuilt or after max_early samples.
@@ -162,7 +165,6 @@ class SpeedEstimator:
         self.published_at: dict[str, int] = {}  # the samples its model held when each copy was published
         self.spreads: dict[str, float] = {}  # published per-request spread of each model (log, robust sd)
         self.bounded: dict[str, tuple[Params, int, Params]] = {}  # url -> (params, most seen, them bounded) (provisional)
-        self.tokens = 0.0  # EWMA of completion tokens per request (0: none seen yet)
         self.finished = 0  # samples taken
 
     # ---- models
@@ -251,7 +253,7 @@ class SpeedEstimator:
         limited to the most requests b was seen running at once: a request beyond that may wait behind a whole
         other one (a serial server), and the models' line says nothing of that until it has. A server that does
         run more shows it the first time it is sent one more, and the figure lifts (router.queuelimit)."""
-        if p.max_running is not None or self.max_running is not None or b.url in self.reported or not self.witness:
+        if p.max_running is not None or self.max_running is not None or self.reported(b.url) or not self.witness:
             return p
         w = self.witness.get(b.url)
         # One not yet seen at all counts as seen running one, once streams are seen on some backend: the first
@@ -382,16 +384,15 @@ class SpeedEstimator:
     def log_rescale(self, url: str, pool: str, factor: float) -> None:
         self.log(Rescale(url, pool, factor))
 
-    def report_limit(self, url: str, pool: str, limit: int) -> None:
-        """A queue limit from /v1/loads (or the settings)."""
-        self.reported.add(url)
-        self.set_limit(url, pool, limit)
+    def reported(self, url: str) -> bool:
+        """Did url's /v1/loads give its queue limit (the figures store's record)?"""
+        return self.figures.reported(url)
 
     # ---- samples and the prompt covariate
     def observe(self, obs: Observation) -> None:
         """One finished exchange: its seconds per token, against the requests running then; its prefill."""
         t = self.t
-        if obs.running_beside is not None and self.max_running is None and obs.url not in self.reported:
+        if obs.running_beside is not None and self.max_running is None and not self.reported(obs.url):
             w = self.witness.get(obs.url)
             if w is None:
                 w = self.witness[obs.url] = QueueWitness(t.queue_witnesses)
@@ -444,9 +445,8 @@ class SpeedEstimator:
         got = sample(obs, limit, self.prompt_shift(obs.url, obs.pool, uncached))
         if got is None:
             return False
-        self.fold(obs.pool, obs.url, got[0], got[1])  # so obs.tokens() is known
+        self.fold(obs.pool, obs.url, got[0], got[1])
         self.finished += 1
-        self.tokens += max(0.05, 1.0 / self.finished) * (obs.tokens() - self.tokens)
         return True
 
     def rebuild(self) -> None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from router import outlier
 from router.affinity import Affinity
+from router.core.figures import Figures
 from router.core.plugins import Filter, Placement
 from router.core.scheduler import Scheduler
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
@@ -269,7 +270,11 @@ class Pools:
         self.rng = rng or random.Random()
         # Prefix affinity (router.affinity): the decision's prefix scorer; None: off.
         self.affinity = affinity
+        # The learned per-backend figures (router.core.figures): one store, updated here once per event (report_done,
+        # report_loads), read by the prefix scorer and by a policy that shares it (the adaptive policy).
+        self.figures = affinity.figures if affinity is not None else Figures()
         self.scheduler = Scheduler(policy, affinity)
+        self._share_figures(policy)
         self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
         # Who runs what the policy's observe() left to learn(): router.learner's wake-up in a serving router;
         # None runs it at once, in report_done (a bench driving the policy directly, tests).
@@ -282,6 +287,12 @@ class Pools:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self.scheduler.policy = policy
+        self._share_figures(policy)
+
+    def _share_figures(self, policy: Policy) -> None:
+        share = getattr(policy, "share_figures", None)
+        if share is not None:
+            share(self.figures)
 
     def loads(self) -> list[BackendLoad]:
         return [b.load() for b in self.backends]
@@ -390,20 +401,20 @@ class Pools:
         if placement is not None and obs.cached_tokens is None:
             obs = replace(obs, expected_cached_tokens=placement.expected_cached,
                           estimated_prompt_tokens=placement.prompt_tokens or None)
+        self.figures.observe(obs, placement)
         self.policy.observe(obs)
         if self.learner is None:
             self.policy.learn(None)
         else:
             self.learner()
         if self.affinity is not None:
-            self.affinity.figures.observe(obs, placement)
             self.affinity.observe(obs, placement, backend.generation)
 
     def report_loads(self, backend: Backend, figs: LoadFigures) -> None:
         """Called with each /v1/loads answer of a backend (load_signal backend)."""
+        resized = self.figures.observe_loads(backend.url, figs)
         self.policy.observe_loads(backend.url, backend.pool, figs)
         if self.affinity is not None:
-            resized = self.affinity.figures.observe_loads(backend.url, figs)
             self.affinity.observe_loads(backend.url, figs, resized)
 
     # ---- membership that changes at run time (router.discovery). The lists are replaced, never mutated in

@@ -14,6 +14,10 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from router.curves import parse_curve
 from router.outlier import OutlierConfig
 
+# Old names still taken (YAML keys, ROUTER_* variables, load_settings overrides), each for the setting it became:
+# adaptive_max_running feeds the prefix scorer too (router.core.figures), so it lost its policy prefix.
+OLD_NAMES = {"adaptive_max_running": "max_running_requests"}
+
 PolicyName = Literal["spillover", "global", "least-inflight", "round-robin", "balanced", "adaptive"]
 ENV_PREFIX = "ROUTER_"
 
@@ -118,9 +122,11 @@ class Settings(BaseSettings):
     adaptive_deadband: float = Field(
         0.01, ge=0.0, lt=1.0, description="adaptive policy: relative change of a fitted model before routing "
         "follows it (keeps noise from flipping decisions)")
-    adaptive_max_running: int | None = Field(
-        None, ge=1, description="adaptive policy: requests one backend runs at once (SGLang "
-        "max_running_requests); beyond it requests queue. Default: learned from /v1/loads, else unbounded")
+    max_running_requests: int | None = Field(
+        None, ge=1, description="requests one backend runs at once (SGLang max_running_requests), beyond which "
+        "requests queue: the adaptive policy takes it in place of what /v1/loads reports, the prefix scorer for "
+        "a backend that reports none. Default: from /v1/loads, else inferred (adaptive) or unbounded. Old name: "
+        "adaptive_max_running")
 
     prefix_routing: bool = Field(
         True, description="cache-aware routing: choose the instance of a pool by expected time to first token "
@@ -280,6 +286,23 @@ def describe(exc: ValidationError, origin: dict[str, str] | None = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def _new_names(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One layer's values (YAML, ROUTER_* variables, flags) with each old name (OLD_NAMES) turned into the new one,
+    before the layers merge: a later layer's new name overrides an earlier layer's old one."""
+    for old, new in OLD_NAMES.items():
+        old_key = next((k for k in values if k.upper() == (prefix + old).upper()), None)
+        if old_key is None:
+            continue
+        values = dict(values)
+        value = values.pop(old_key)
+        new_key = next((k for k in values if k.upper() == (prefix + new).upper()), prefix + new.upper() if prefix
+                       else new)
+        if values.setdefault(new_key, value) != value:
+            raise ConfigError(f"{prefix}{old.upper() if prefix else old} is the old name of "
+                              f"{prefix}{new.upper() if prefix else new}: give one of them")
+    return values
+
+
 def load_settings(config_file: str | None = None, overrides: dict[str, Any] | None = None,
                   environ: dict[str, str] | None = None) -> Settings:
     """Layer YAML < ROUTER_* env < overrides (flags); raise ConfigError with a one-line message."""
@@ -287,6 +310,8 @@ def load_settings(config_file: str | None = None, overrides: dict[str, Any] | No
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
     data: dict[str, Any] = _read_yaml(path) if path else {}
     env_values = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"}
+    env_values = _new_names(env_values, ENV_PREFIX)
+    data = _new_names(data)
     # Where each setting's value came from, so an error names what the user must fix (the variable, the flag).
     origin = {k: f"config file {path}" for k in data}
     try:
@@ -295,7 +320,7 @@ def load_settings(config_file: str | None = None, overrides: dict[str, Any] | No
         from_env = source()
         data.update(from_env)
         origin.update({k: f"env {ENV_PREFIX}{k.upper()}" for k in from_env})
-        flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+        flags = _new_names({k: v for k, v in (overrides or {}).items() if v is not None})
         data.update(flags)
         origin.update({k: "--" + k.replace("_", "-") for k in flags})
         # Only init values are used: the environment was read above, from `env`, exactly once.

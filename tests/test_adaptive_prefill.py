@@ -7,6 +7,7 @@ import random
 import pytest
 
 from router.adaptive import Adaptive
+from router.core.figures import EWMA, PRIOR_OUTPUT_TOKENS
 from router.observe import Observation
 from router.policy import BackendLoad, View
 from router.speedmodel import PrefillModel
@@ -66,8 +67,10 @@ def test_the_prefill_a_server_costs_its_batch_is_learned_from_requests_that_foun
     st = pol.state(v)
     assert st["pools"]["speculative"]["prefill_s"] == pytest.approx(1.0)
     assert st["pools"]["speculative"]["prefill_samples"] == 1
-    # Its speed samples are in the models unmoved and kept for the rebuild once the covariate is measured.
-    assert st["samples_unmoved"] == 3 and st["tokens_per_request"] == TOKENS
+    # Its speed samples are in the models unmoved and kept for the rebuild once the covariate is measured. Output
+    # tokens per request: the one figure the prefix scorer prices with too (router.core.figures), three samples in.
+    assert st["samples_unmoved"] == 3
+    assert st["tokens_per_request"] == round(TOKENS + (PRIOR_OUTPUT_TOKENS - TOKENS) * (1 - EWMA) ** 3, 1)
     assert [b["stall_s"] for b in st["backends"]] == [pytest.approx(1.0), pytest.approx(0.05)]
 
 
@@ -194,12 +197,15 @@ def test_the_first_samples_are_folded_unmoved_and_the_models_rebuilt_moved_once_
     assert st["pools"]["speculative"]["samples"] + st["pools"]["baseline"]["samples"] == DEFAULT.covariate_samples - 1
     # Unmoved, the speculative server's long prompts put it well below the baseline's speed alone.
     assert st["pools"]["speculative"]["tok_s_alone"] < 0.5 * st["pools"]["baseline"]["tok_s_alone"]
+    tokens = pol.figures.output_tokens
     pol.observe(Observation("baseline", B1, 1, 1, 0.05 + 0.0125 * 100 + 0.96, 0.05 + 0.0125 * 100, None, 24, True,
                             data_events=25, estimated_prompt_tokens=100))
     st = pol.state(view(0, 0))
     assert st["samples_unmoved"] == 0 and pol.speeds.early is None
     assert st["pools"]["speculative"]["samples"] + st["pools"]["baseline"]["samples"] == DEFAULT.covariate_samples
-    assert st["tokens_per_request"] == 24 and st["pools"]["baseline"]["max_running"] == 7
+    # The rebuild replays the models' samples, not the figures store: each output-token count went in once.
+    assert st["tokens_per_request"] == round(tokens + EWMA * (24 - tokens), 1)
+    assert st["pools"]["baseline"]["max_running"] == 7
     # Every sample moved to the typical prompt: 0.05 s + 12.5 ms a token of the mix, and 24 tokens at 0.04 s; the
     # speculative model then 2x slower (the rescale the samples it held took, taken again on the rebuild).
     typical = 24 / (0.05 + 0.0125 * pol.speeds.prompt_mix + 0.96)

@@ -455,3 +455,29 @@ def test_a_lease_given_up_for_a_retry_reports_nothing():
     assert spec.started == 1
     assert lease.finish(None, p) is True
     assert (spec.inflight, spec.started) == (0, 0)
+
+
+def test_one_figures_store_updated_once_and_read_by_the_prefix_scorer_and_the_adaptive_policy():
+    from router.affinity import Affinity
+    from router.core.figures import EWMA, PRIOR_OUTPUT_TOKENS, Figures
+
+    aff = Affinity()
+    pol = Adaptive(explore=0.0)
+    p = Pools([S1], [B1], policy=pol, rng=random.Random(3), affinity=aff)
+    assert p.figures is aff.figures is pol.figures is pol.speeds.figures and not pol.keeps_figures
+    b = p.by_url[B1]
+    p.report_loads(b, LoadFigures(0, 0, max_running=7))
+    assert p.figures.running_limits == {B1: 7} and p.figures.limit(B1) == 7
+    st = pol.state(p.view)
+    assert [x["max_running_from"] for x in st["backends"]] == [None, "loads"]
+    assert st["pools"]["baseline"]["max_running"] == 7
+    p.report_done(b, Observation("baseline", B1, 1, 1, 1.0, 0.1, 40, 40, True))
+    # One finished exchange moves the one output-token figure once; both read it.
+    once = PRIOR_OUTPUT_TOKENS + EWMA * (40 - PRIOR_OUTPUT_TOKENS)
+    assert p.figures.output_tokens == pytest.approx(once)
+    assert pol.state(p.view)["tokens_per_request"] == round(once, 1) == aff.state()["output_tokens"]
+    # Without the prefix scorer the policy still reads the store Pools keeps; a policy swapped in reads it too.
+    p2 = Pools([S1], [B1], policy=Adaptive(), rng=random.Random(3))
+    assert isinstance(p2.figures, Figures) and p2.policy.figures is p2.figures
+    p2.policy = Adaptive()
+    assert p2.policy.figures is p2.figures

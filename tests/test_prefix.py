@@ -285,7 +285,7 @@ def test_ttft_learning_keeps_load_in_the_rule_under_queueing():
     for _ in range(200):  # every answer waited behind 3 prompts' worth of prefill: 4 prompts in 4 s
         pl = Placement(NO_MATCH, p, 0, ptok, 0, pending_ahead=3 * ptok)
         learn(aff, Observation("baseline", "u", 4, 4, 10.0, 4.0, 100, 100, True, 4.0, ptok, 0), pl)
-    assert aff.figures.costs("baseline").prefill_s == pytest.approx(4.0 / (4 * ptok), rel=0.05)
+    assert aff.figures.costs("baseline").ttft_s_per_token == pytest.approx(4.0 / (4 * ptok), rel=0.05)
     aff.index.of("a", 0, 1000).insert(p.blocks)
     view = View.of([Busy("a", 4, 3 * ptok), Busy("b", 1, 0)])
     d, pl = place(aff, Decision(view.backends[1], BELOW), view, p)

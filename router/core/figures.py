@@ -1,5 +1,8 @@
-"""The learned figures of the backends and pools that the prefix scorer prices with: one object, updated in one
-place (observe / observe_loads, called by router.pools.Pools), read by every scorer through the scheduler."""
+"""The learned per-backend and per-pool figures every scorer reads: one object, updated in one place (observe /
+observe_loads, called once per event by router.pools.Pools), read by the prefix scorer (router.affinity) and the
+adaptive policy (router.adaptive). Each figure has this one owner; the adaptive policy's own models measure other
+things (a server's token time against its load, its idle prefill forward, a running limit inferred where none is
+reported: router.estimator), named apart below."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +27,12 @@ EWMA = 0.05  # weight of each new sample (about the last 20 count)
 class PoolCosts:
     """What one pool's answers measured, each an EWMA from a prior."""
 
-    prefill_s: float = PRIOR_PREFILL_S_PER_TOKEN  # seconds per uncached prompt token
+    # Seconds of time to first token per uncached prompt token, queueing included (the tokens pending ahead count):
+    # not router.speedmodel.PrefillModel, the adaptive policy's fit of the prefill forward alone (idle servers only).
+    ttft_s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN
     wait_s: float = PRIOR_WAIT_S_PER_REQUEST  # seconds of TTFT per request in flight ahead
+    # Seconds per output token after the first, at whatever load it ran (not the adaptive speed models' per-request
+    # token time against the load, whole duration included).
     tpot_s: float = PRIOR_TPOT_S
     samples: int = 0
     tpot_samples: int = 0
@@ -36,16 +43,17 @@ def _ewma(old: float, new: float) -> float:
 
 
 class Figures:
-    """Per pool: prefill seconds per token, wait per request ahead, decode seconds per token; per backend: the
+    """Per pool: TTFT seconds per uncached token, wait per request ahead, decode seconds per token; per backend: the
     running limit and KV capacity it reported; overall: output tokens per request and prompt bytes per token.
-    `max_running`: the running limit of a backend that reported none (a setting; None: unlimited)."""
+    `max_running`: the running limit of a backend that reported none (the `max_running` setting; None: unlimited).
+    The adaptive policy is given the same setting and takes it in place of any reported limit (router.estimator)."""
 
     def __init__(self, max_running: int | None = None) -> None:
         self.max_running_default = max_running
         self.bytes_per_token = PRIOR_BYTES_PER_TOKEN
-        self.output_tokens = PRIOR_OUTPUT_TOKENS
+        self.output_tokens = PRIOR_OUTPUT_TOKENS  # per finished request (EWMA): the decode term, /router/state
         self.pools: dict[str, PoolCosts] = {}
-        self.max_running: dict[str, int] = {}  # by URL, as reported
+        self.running_limits: dict[str, int] = {}  # by URL: the max_running_requests its /v1/loads last reported
         self.kv: dict[str, int] = {}  # max_total_num_tokens each backend reported
 
     def costs(self, pool: str) -> PoolCosts:
@@ -55,7 +63,11 @@ class Figures:
         return c
 
     def limit(self, url: str) -> int | None:
-        return self.max_running.get(url, self.max_running_default)
+        return self.running_limits.get(url, self.max_running_default)
+
+    def reported(self, url: str) -> bool:
+        """Has url's /v1/loads given its running limit?"""
+        return url in self.running_limits
 
     def known(self, a: str, b: str) -> bool:
         """Both pools' decode speeds measured."""
@@ -74,12 +86,12 @@ class Figures:
         c = self.costs(obs.pool)
         cached = obs.cached_tokens if obs.cached_tokens is not None else placement.expected_cached
         if obs.ttft_s is not None and p:
-            # TTFT = prefill_s x (its uncached tokens + the uncached tokens in flight ahead of it) + wait_s x the
+            # TTFT = ttft_s_per_token x (its uncached tokens + the uncached tokens in flight ahead of it) + wait_s x the
             # requests ahead: one learned rate, so queueing raises the price of load and of a re-prefill alike.
             uncached = max(1, p - cached) + placement.pending_ahead
             ahead = max(0, obs.inflight_at_start - 1)
             wait = c.wait_s * ahead
-            c.prefill_s = max(1e-7, _ewma(c.prefill_s, max(0.0, obs.ttft_s - wait) / uncached))
+            c.ttft_s_per_token = max(1e-7, _ewma(c.ttft_s_per_token, max(0.0, obs.ttft_s - wait) / uncached))
             c.samples += 1
         if obs.ttft_s is not None and tokens and tokens > 1:
             c.tpot_s = _ewma(c.tpot_s, (obs.duration_s - obs.ttft_s) / (tokens - 1))
@@ -88,7 +100,7 @@ class Figures:
     def observe_loads(self, url: str, figs: LoadFigures) -> bool:
         """One /v1/loads answer; True when the backend's KV capacity changed (the prefix index resizes)."""
         if figs.max_running:
-            self.max_running[url] = figs.max_running
+            self.running_limits[url] = figs.max_running
         if figs.max_total_tokens and self.kv.get(url) != figs.max_total_tokens:
             self.kv[url] = figs.max_total_tokens
             return True
@@ -96,5 +108,5 @@ class Figures:
 
     def state(self) -> dict:
         return {"bytes_per_token": round(self.bytes_per_token, 3), "output_tokens": round(self.output_tokens, 1),
-                "pools": {p: {"prefill_s_per_token": c.prefill_s, "wait_s_per_request": c.wait_s,
+                "pools": {p: {"prefill_s_per_token": c.ttft_s_per_token, "wait_s_per_request": c.wait_s,
                               "tpot_s": c.tpot_s, "samples": c.samples} for p, c in self.pools.items()}}

@@ -44,7 +44,7 @@ def make_policy(settings: Settings) -> Policy:
               (("speculative", settings.speculative_curve), ("baseline", settings.baseline_curve)) if points}
     return Adaptive(objective=settings.objective, forgetting=settings.adaptive_forgetting,
                     explore=settings.adaptive_explore, deadband=settings.adaptive_deadband,
-                    max_running=settings.adaptive_max_running, priors=priors, defer_fits=True)
+                    max_running=settings.max_running_requests, priors=priors, defer_fits=True)
 
 
 __all__ = ["NAMES", "Balanced", "Global", "LeastInflight", "RoundRobin", "Spillover", "make_policy"]
