@@ -224,12 +224,12 @@ SOCKET_READ = 256 * 1024  # the most asyncio's socket transport reads at once
 STILL_POLLS = 10  # polls in a row without progress that make a stalled backend (0.5 s at 0.05 s each)
 
 async def test_a_slow_client_backpressures_the_backend_stream(raw_backend_factory, router_factory):
-    """The backend has 128 MiB of events to send; the client reads its first bytes, then nothing. The router holds
+    """The backend has 256 MiB of events to send; the client reads its first bytes, then nothing. The router holds
     at most write_buffer_bytes for the client plus router.h1's HIGH_WATER unread from the backend, then stops
     reading the backend: the backend's own send buffer fills and it stays blocked, far from done. Seen failing
-    with Exchange.stream's `await writer.drain()` (over write_buffer_bytes) removed: the router reads all 128 MiB
+    with Exchange.stream's `await writer.drain()` (over write_buffer_bytes) removed: the router reads all 256 MiB
     into memory and the backend finishes."""
-    total = 128 * 1024 * 1024
+    total = 256 * 1024 * 1024
     event = b"data: " + json.dumps({**EVENT, "pad": "x" * 16_000}).encode() + b"\n\n"
     sent = {"bytes": 0, "done": False}
     backend_writer: list[asyncio.StreamWriter] = []
