@@ -62,8 +62,7 @@ class Exchange:
     end_upstream) and records its metrics once at the end (finish)."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "placement", "streamed",
-                 "finished")
+                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "placement", "streamed")
 
     def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None) -> None:
         self.st = st
@@ -85,9 +84,8 @@ class Exchange:
         # self.first: a stream's first chunk, set by proxy() and taken by stream() (nothing reads it before)
         self.delivered = False  # the client took [DONE]: a client leaving after it got the whole answer
         self.watchdog: Watchdog | None = None
-        self.streamed = False  # the client asked for a stream (start() sets it)
-        self.finished = False  # finish() ran: the metrics went out
-        st.exchanges.add(self)
+        # self.streamed: the client asked for a stream, set by start() (placed() reads it, within start)
+        st.exchanges.add(self)  # open until finish()
 
     def cut_now(self) -> None:
         """The drain is over: stop this exchange so it can answer with an explicit error. Called once (cut_all
@@ -310,10 +308,10 @@ class Exchange:
     def finish(self) -> None:
         """Runs in `finally`, once (a later call does nothing): end the lease and the answer if still held, record
         the outcome."""
-        if self.finished:
-            return
-        self.finished = True
-        self.st.exchanges.discard(self)
+        exchanges = self.st.exchanges
+        if self not in exchanges:
+            return  # finished already
+        exchanges.remove(self)
         if self.watchdog is not None:
             self.watchdog.stop()
         self.end_upstream(self.delivered)

@@ -346,9 +346,15 @@ class Limits:
     max_connections, is the Client's own gate: a request takes its backend's place here first, then that.)"""
 
     def __init__(self, urls: list[str], per_backend: int) -> None:
-        self.slots = {u: Gate(per_backend) for u in urls}
-        self.waiting = dict.fromkeys(urls, 0)
         self.per_backend = per_backend
+        # A URL not added gets its places on first use (a client of its own, in tests and tools, names none).
+        self.slots: collections.defaultdict[str, Gate] = collections.defaultdict(self._gate)
+        self.waiting: collections.defaultdict[str, int] = collections.defaultdict(int)
+        for url in urls:
+            self.add(url)
+
+    def _gate(self) -> Gate:
+        return Gate(self.per_backend)
 
     def add(self, url: str) -> None:
         """A backend that joined at run time (router.discovery); its slots outlive a leave, so leases of a
@@ -358,10 +364,7 @@ class Limits:
 
     async def take(self, url: str) -> float | None:
         """One of `url`'s places; returns the seconds waited for it (None when one was free)."""
-        gate = self.slots.get(url)
-        if gate is None:  # a client of its own (tests, tools): places made on first use
-            self.add(url)
-            gate = self.slots[url]
+        gate = self.slots[url]
         if gate.try_take():
             return None
         t = time.monotonic()

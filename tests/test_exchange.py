@@ -116,6 +116,7 @@ async def test_a_streamed_answer_reports_each_read_and_its_timing(raw_backend_fa
     assert (headers["X-Router-Pool"], headers["X-Router-Backend"]) == ("speculative", b.url)
     (obs,) = seam.done
     assert (obs.pool, obs.url, obs.chunks, obs.ok, obs.completion_tokens) == ("speculative", b.url, 5, True, 3)
+    assert obs.data_events == 5  # one per read, summed (stream's `data_events +=`)
     assert 0 <= obs.ttft_s <= obs.duration_s <= took
     assert (obs.inflight_at_start, obs.inflight_at_end) == (1, 1)
     itl_sum = router.metric("router_inter_token_latency_seconds_sum", pool="speculative")

@@ -13,7 +13,7 @@ import json
 import aiohttp
 import pytest
 
-from router import h1, upstream
+from router import exchange, h1, upstream
 from tests.fixtures_rawbackend import Conn, json_answer, reset_before_headers, sse_body
 from tests.fixtures_router import poll
 from tests.test_router_hotpath import stalled_reader
@@ -224,12 +224,12 @@ SOCKET_READ = 256 * 1024  # the most asyncio's socket transport reads at once
 STILL_POLLS = 10  # polls in a row without progress that make a stalled backend (0.5 s at 0.05 s each)
 
 async def test_a_slow_client_backpressures_the_backend_stream(raw_backend_factory, router_factory):
-    """The backend has 128 MiB of events to send; the client reads its first bytes, then nothing. The router holds
+    """The backend has 256 MiB of events to send; the client reads its first bytes, then nothing. The router holds
     at most write_buffer_bytes for the client plus router.h1's HIGH_WATER unread from the backend, then stops
     reading the backend: the backend's own send buffer fills and it stays blocked, far from done. Seen failing
-    with Exchange.stream's `await writer.drain()` (over write_buffer_bytes) removed: the router reads all 128 MiB
+    with Exchange.stream's `await writer.drain()` (over write_buffer_bytes) removed: the router reads all 256 MiB
     into memory and the backend finishes."""
-    total = 128 * 1024 * 1024
+    total = 256 * 1024 * 1024
     event = b"data: " + json.dumps({**EVENT, "pad": "x" * 16_000}).encode() + b"\n\n"
     sent = {"bytes": 0, "done": False}
     backend_writer: list[asyncio.StreamWriter] = []
@@ -293,12 +293,14 @@ async def test_a_stream_that_keeps_talking_is_not_cut_by_idle_timeout(raw_backen
 
 # ---------------------------------------------------------------- each request ends once
 
-async def test_each_request_is_counted_and_reported_once_whatever_ended_it(raw_backend_factory, router_factory):
+async def test_each_request_is_counted_and_reported_once_whatever_ended_it(raw_backend_factory, router_factory,
+                                                                          monkeypatch):
     """Five requests, each ended differently: the router's own 504 (no first byte in time), a reset before the
     headers, a close after them, a malformed answer, and a 200. Each is counted once in router_requests_total
     under the status the client got and once in the duration histogram, and each lease ends with exactly one
-    observation through the learning seam (ok only for the 200). Seen failing with Exchange.finish's
-    `if self.finished: return` guard removed and a second `ex.finish()` after proxy's own."""
+    observation through the learning seam (ok only for the 200), though finish() runs twice here. Seen failing
+    with Exchange.finish's `if self not in exchanges: return` guard removed (each counted twice). mutmut: finish's
+    guard inverted."""
     async def nth(c: Conn) -> None:
         n = b.chat_hits()
         if n == 1:
@@ -314,6 +316,13 @@ async def test_each_request_is_counted_and_reported_once_whatever_ended_it(raw_b
 
     b = await raw_backend_factory({CHAT: nth})
     router = await router_factory([b.url], [], **{**SETTINGS, "first_byte_timeout": 1.0})
+    finish = exchange.Exchange.finish
+
+    def twice(ex) -> None:
+        finish(ex)
+        finish(ex)
+
+    monkeypatch.setattr(exchange.Exchange, "finish", twice)
     pools = router.state.pools
     seen: list[bool] = []
     report_done = pools.report_done
@@ -377,3 +386,49 @@ async def test_a_stream_runs_from_its_first_token_not_from_its_sending(raw_backe
     a, b_obs = seen
     assert (a.running_beside, b_obs.running_beside) == (0, 0)
     assert a.waited_s is None and b_obs.waited_s is not None and b_obs.waited_s > 0
+
+
+
+async def test_a_request_not_streamed_runs_from_its_sending_and_reports_no_first_token_figures(
+        raw_backend_factory, router_factory):
+    """One place on the backend, held by stream A; request C (not streamed) waits for it, is sent once A has
+    ended, and is answered whole. C counts as running from its sending (the backend shows no first token), and
+    what ran beside it and its wait are first-token figures: a buffered answer reports neither. mutmut:
+    end_upstream's `running_beside=... if (streamed) or True` and `waited_s=... if (streamed) or True` (C's
+    lease then reports A's release as its wait and 0 beside)."""
+    a_may_end = asyncio.Event()
+
+    async def act(c: Conn) -> None:
+        if c.request.body and b'"stream": true' in c.request.body:
+            await c.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                          b"Connection: close\r\n\r\n")
+            await c.write_chunked(sse_body(EVENT))
+            await a_may_end.wait()
+            await c.write_chunked(sse_body("[DONE]"))
+            await c.write(b"0\r\n\r\n")
+        else:
+            await json_answer(200, {"choices": []})(c)
+
+    b = await raw_backend_factory({CHAT: act})
+    router = await router_factory([b.url], [], **{**SETTINGS, "max_connections_per_backend": 1})
+    pools = router.state.pools
+    seen = []
+    report_done = pools.report_done
+
+    def recording(backend, obs, placement=None):
+        seen.append(obs)
+        report_done(backend, obs, placement)
+
+    pools.report_done = recording
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.post(router.url + CHAT, json=STREAM) as first:
+            assert first.status == 200 and await first.content.readuntil(b"\n\n")
+            second = asyncio.ensure_future(post(router.url, BODY))
+            labels = {"pool": "speculative", "backend": b.url}
+            await poll(lambda: router.metric("router_upstream_waiting_requests", **labels) == 1, 10)
+            a_may_end.set()
+            await first.read()
+        assert (await second)[0] == 200
+    a, c = seen
+    assert (a.ttft_s is not None, a.running_beside) == (True, 0)
+    assert (c.ttft_s, c.running_beside, c.waited_s) == (None, None, None)
