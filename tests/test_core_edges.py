@@ -1,0 +1,149 @@
+"""The decision core at its edges (router.core, router.affinity, router.policies): exact ties, zero costs, the
+re-prefill term's arithmetic, defaults. Each test names, in its docstring, what it pins; these are the cases the
+mutation run (scripts/mutation.sh, docs/TESTING.md "Decision core") found no other test judging."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.affinity import Affinity
+from router.core.plugins import Picker, PoolScores, Scored, Scores
+from router.core.scheduler import Scheduler
+from router.core.snapshot import Endpoint
+from router.policy import (
+    AFFINITY,
+    BELOW,
+    LOAD_OVERRIDE,
+    NO_MATCH,
+    POOL_KEPT,
+    POOL_MOVED,
+    SINGLE,
+    BackendLoad,
+    Decision,
+)
+from router.prefix import TEXT, Prompt, chain
+
+pytestmark = pytest.mark.timeout(30)
+
+BLOCK = 2048  # bytes per block in the hand-made Scores below
+BPT = 4.0  # bytes per token there: 512 tokens per block
+
+
+def ep(url: str, pool: str = "baseline") -> Endpoint:
+    return Endpoint(url, pool, True, 0, 0, 0, url)
+
+
+def long_prompt(seed: int, nbytes: int = 52_000) -> Prompt:
+    rng = random.Random(seed)
+    return Prompt(TEXT, nbytes, chain(bytes(rng.getrandbits(8) for _ in range(nbytes))))
+
+
+PROMPT = long_prompt(7)
+
+
+def pools(home: list[tuple[str, float, int]], away: list[tuple[str, float, int]] | None, *,
+          home_decode: float = 0.0, away_decode: float = 0.0, prefill: float = 1e-4) -> tuple:
+    """A proposal on the baseline pool's first candidate and its Scores: (url, cost_s, depth) per candidate."""
+    h = PoolScores("baseline", tuple(Scored(ep(u), c, d) for u, c, d in home), home_decode, prefill)
+    a = None if away is None else PoolScores(
+        "speculative", tuple(Scored(ep(u, "speculative"), c, d) for u, c, d in away), away_decode, prefill)
+    return Decision(h.cands[0].endpoint, BELOW), h, a
+
+
+def pick(home, away=None, *, ptok: int = 13_000, known: bool = True, seed: int = 0, **kw):
+    proposal, h, a = pools(home, away, **kw)
+    return Picker().pick(proposal, Scores(PROMPT, ptok, NO_MATCH, h, a, known, BLOCK, BPT), random.Random(seed))
+
+
+# ---- the picker
+
+
+def test_expected_cached_tokens_are_the_held_blocks_in_tokens_capped_by_the_prompt():
+    """Scores.tokens: blocks x bytes per block / bytes per token (3 blocks of 2048 bytes at 4 bytes a token are
+    1536 tokens), never more than the prompt's own estimate."""
+    got = pick([("a", 0.1, 3), ("b", 0.2, 0)])
+    assert (got.decision.url, got.placement.expected_cached, got.placement.depth) == ("a", 1536, 3)
+    assert pick([("a", 0.1, 3), ("b", 0.2, 0)], ptok=1000).placement.expected_cached == 1000
+
+
+def test_a_prompt_with_nothing_to_match_still_carries_its_token_estimate():
+    """A prompt shorter than a block: no prices, the proposal unchanged, but the placement keeps the router's
+    estimate of its prompt tokens (what the prefix metrics count)."""
+    aff = Affinity()
+    sched = Scheduler(_First(), aff)
+    short = Prompt(TEXT, 400, [])
+    got = sched.decide(sched.snapshot([BackendLoad("a", "baseline", 0, True)], None, short), random.Random(0))
+    assert (got.decision.url, got.placement.reason, got.placement.prompt_tokens) == ("a", NO_MATCH, 100)
+    assert got.placement.expected_cached == 0
+
+
+def test_the_deeper_of_two_exactly_tied_instances_wins_whatever_the_draw():
+    """Two candidates tied on cost: the one holding more of the prompt, for every seed (no coin toss)."""
+    ps = PoolScores("baseline", (Scored(ep("a"), 0.5, 1), Scored(ep("b"), 0.5, 4)), 0.0, 1e-4)
+    assert {Picker.best(ps, random.Random(i))[0].url for i in range(30)} == {"b"}
+    assert {Picker.best(ps, random.Random(i))[3] for i in range(30)} == {AFFINITY}
+
+
+def test_idle_instances_holding_the_whole_prompt_cost_nothing_and_are_still_chosen():
+    """A cost of exactly 0 s (no load, the prompt held whole) is a valid price: the tie margin is relative, so
+    it must still include the cheapest itself."""
+    ps = PoolScores("baseline", (Scored(ep("a"), 0.0, 5), Scored(ep("b"), 0.0, 5)), 0.0, 1e-4)
+    assert {Picker.best(ps, random.Random(i))[0].url for i in range(30)} == {"a", "b"}
+    one = PoolScores("baseline", (Scored(ep("a"), 0.0, 5), Scored(ep("b"), 0.3, 0)), 0.0, 1e-4)
+    assert Picker.best(one, random.Random(0))[:2] == (one.cands[0].endpoint, 0.0)
+
+
+def test_ties_in_the_other_pool_are_drawn_at_random_too():
+    """When the other pool wins, its instance is drawn among its equals like the proposed pool's."""
+    urls = {pick([("b", 0.1, 0)], [("s1", 0.1, 8), ("s2", 0.1, 8)], home_decode=5.0, away_decode=1.0,
+                 seed=i).decision.url for i in range(30)}
+    assert urls == {"s1", "s2"}
+
+
+def test_the_other_pool_is_not_taken_on_speed_alone_when_it_holds_no_more_of_the_prompt():
+    """Equal depths on both sides: the pool policy chose the pool; a faster other pool is no reason to move."""
+    got = pick([("b", 0.1, 2)], [("s", 0.1, 2)], home_decode=5.0, away_decode=1.0)
+    assert (got.decision.url, got.decision.reason, got.placement.reason) == ("b", BELOW, SINGLE)
+
+
+@pytest.mark.parametrize("home_cost, away_cost, expect, reason", [
+    # here = 1.0 + 1.0 + 0.001 x (2048 - 512) = 3.536 s; there = away_cost + 1.0
+    (1.0, 2.5, "s", POOL_KEPT),  # 3.5 < 3.536: only the re-prefill of 1536 tokens makes the move pay
+    (1.0, 2.6, "b", POOL_MOVED),  # 3.6 > 3.536: the re-prefill does not cover the difference
+    (1.0, 2.54, "b", POOL_MOVED),  # 3.54: just above, with 512 more tokens (the home's own) it would move
+])
+def test_moving_pools_pays_the_re_prefill_of_exactly_what_the_other_holds_beyond_the_home(
+        home_cost, away_cost, expect, reason):
+    """The home total carries prefill_s x (tokens the other holds - tokens the home holds): 4 blocks against 1
+    at 512 tokens a block is 1536 tokens re-prefilled."""
+    got = pick([("b", home_cost, 1)], [("s", away_cost, 4)], home_decode=1.0, away_decode=1.0, prefill=1e-3)
+    assert (got.decision.url, got.placement.reason) == (expect, reason)
+
+
+def test_a_prompt_held_whole_on_both_sides_re_prefills_nothing():
+    """The home already holds more tokens than the prompt has: the re-prefill term is 0, not negative and not one
+    token's worth; the other pool, 0.5 s slower in total, stays behind."""
+    got = pick([("b", 1.0, 1)], [("s", 1.5, 2)], ptok=100, home_decode=1.0, away_decode=1.0, prefill=1.0)
+    assert (got.decision.url, got.placement.reason) == ("b", POOL_MOVED)
+
+
+def test_an_exact_tie_between_the_pools_keeps_the_proposed_pool():
+    """Totals equal to the bit (1.0 + 0.5 + 0 on each side, no re-prefill): the pool policy's choice stands."""
+    got = pick([("b", 1.0, 1)], [("s", 1.0, 2)], ptok=100, home_decode=0.5, away_decode=0.5, prefill=1.0)
+    assert (got.decision.url, got.placement.reason) == ("b", POOL_MOVED)
+
+
+class _First:
+    """A pool policy that proposes the first backend it sees."""
+
+    name = "first"
+
+    def decide(self, view, rng):
+        return Decision(view.backends[0], BELOW)
+
+
+def test_load_override_when_the_holder_is_dearer():
+    """Both reasons of an in-pool choice, by price: the holder wins while cheaper, else the load does."""
+    assert pick([("a", 0.1, 3), ("b", 0.2, 0)]).placement.reason == AFFINITY
+    assert pick([("a", 0.3, 3), ("b", 0.2, 0)]).placement.reason == LOAD_OVERRIDE
