@@ -10,17 +10,20 @@ import pytest
 from router.affinity import Affinity
 from router.core.plugins import Picker, PoolScores, Scored, Scores
 from router.core.scheduler import Scheduler
-from router.core.snapshot import Endpoint
+from router.core.snapshot import Endpoint, Snapshot
+from router.policies import LeastInflight
 from router.policy import (
     AFFINITY,
     BELOW,
     LOAD_OVERRIDE,
     NO_MATCH,
+    ONLY,
     POOL_KEPT,
     POOL_MOVED,
     SINGLE,
     BackendLoad,
     Decision,
+    View,
 )
 from router.prefix import TEXT, Prompt, chain
 
@@ -147,3 +150,25 @@ def test_load_override_when_the_holder_is_dearer():
     """Both reasons of an in-pool choice, by price: the holder wins while cheaper, else the load does."""
     assert pick([("a", 0.1, 3), ("b", 0.2, 0)]).placement.reason == AFFINITY
     assert pick([("a", 0.3, 3), ("b", 0.2, 0)]).placement.reason == LOAD_OVERRIDE
+
+
+# ---- the scheduler
+
+
+def test_the_scorer_runs_only_with_prefix_routing_on_and_a_prompt():
+    """Prefix routing on but no prompt (a body that was not parsed), or off with one: the pool policy's decision,
+    no placement; both: a placement."""
+    backends = [BackendLoad("a", "baseline", 0, True), BackendLoad("b", "baseline", 0, True)]
+    on, off = Scheduler(_First(), Affinity()), Scheduler(_First())
+    for sched, prompt in ((on, None), (off, PROMPT)):
+        got = sched.decide(sched.snapshot(backends, None, prompt), random.Random(0))
+        assert (got.decision.backend, got.decision.reason, got.placement) == (backends[0], ONLY, None)
+    assert on.decide(on.snapshot(backends, None, PROMPT), random.Random(0)).placement is not None
+
+
+def test_a_snapshot_built_on_plain_backends_decides_on_those_backends():
+    """A Snapshot made directly from a View (no Endpoint wrappers, nothing `live`): the decision names the backend
+    it was given, not nothing."""
+    backends = [BackendLoad("a", "baseline", 3, True), BackendLoad("b", "baseline", 1, True)]
+    got = Scheduler(LeastInflight()).decide(Snapshot(View.of(backends)), random.Random(0))
+    assert got.decision.backend is backends[1]
