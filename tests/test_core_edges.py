@@ -8,9 +8,11 @@ import random
 import pytest
 
 from router.affinity import Affinity
-from router.core.plugins import Picker, PoolScores, Scored, Scores
+from router.core.figures import Figures
+from router.core.plugins import Picker, Placement, PoolScores, Scored, Scores
 from router.core.scheduler import Scheduler
 from router.core.snapshot import Endpoint, Snapshot
+from router.observe import LoadFigures, Observation
 from router.policies import LeastInflight
 from router.policy import (
     AFFINITY,
@@ -172,3 +174,113 @@ def test_a_snapshot_built_on_plain_backends_decides_on_those_backends():
     backends = [BackendLoad("a", "baseline", 3, True), BackendLoad("b", "baseline", 1, True)]
     got = Scheduler(LeastInflight()).decide(Snapshot(View.of(backends)), random.Random(0))
     assert got.decision.backend is backends[1]
+
+
+# ---- the learned figures (one exchange at a time, exact arithmetic: each sample moves a figure 5% of the way)
+
+
+def obs(*, ok=True, ttft=1.0, duration=5.0, tokens=101, prompt=10_000, cached=None, inflight=3, pool="baseline"):
+    return Observation(pool, "u", inflight, inflight, duration, ttft, tokens, tokens, ok, None, prompt, cached)
+
+
+def placement(*, expected_cached=0, pending_ahead=0, prompt=PROMPT) -> Placement:
+    return Placement(NO_MATCH, prompt, expected_cached, 13_000, 0, pending_ahead)
+
+
+def test_output_tokens_follow_finished_answers_only():
+    f = Figures()
+    f.observe(obs(tokens=56))  # no placement needed: 256 + 5% of (56 - 256)
+    assert f.output_tokens == pytest.approx(246.0)
+    for bad in (obs(tokens=1000, ok=False), obs(tokens=None, ttft=None), obs(tokens=0)):
+        f.observe(bad, placement())
+    assert f.output_tokens == pytest.approx(246.0)
+
+
+@pytest.mark.parametrize("cached, expected_cached, pending, inflight, ttft, want", [
+    # prefill = 1e-4 + 5% of (sample - 1e-4); sample = (ttft - 0.01 s x requests ahead) / uncached tokens
+    (2_000, 0, 0, 3, 1.0, 1e-4 + 0.05 * (0.98 / 8_000 - 1e-4)),  # reported cached tokens, 2 requests ahead
+    (None, 4_000, 0, 1, 1.2, 1e-4 + 0.05 * (1.2 / 6_000 - 1e-4)),  # none reported: what the index expected
+    (2_000, 0, 12_000, 1, 2.0, 1e-4 + 0.05 * (2.0 / 20_000 - 1e-4)),  # prefill in flight ahead of it counts
+    (None, 50_000, 0, 0, 0.5, 1e-4 + 0.05 * (0.5 / 1 - 1e-4)),  # held more than the prompt: one token prefilled
+    (0, 0, 0, 200, 1.0, 0.95e-4),  # the queue explains more than the whole TTFT: the sample is 0, not negative
+])
+def test_the_prefill_rate_is_the_ttft_beyond_the_queue_per_uncached_token(
+        cached, expected_cached, pending, inflight, ttft, want):
+    f = Figures()
+    f.observe(obs(cached=cached, inflight=inflight, ttft=ttft), placement(expected_cached=expected_cached,
+                                                                         pending_ahead=pending))
+    c = f.costs("baseline")
+    assert (c.prefill_s, c.samples) == (pytest.approx(want), 1)
+
+
+def test_the_prefill_rate_never_reaches_zero():
+    f = Figures()
+    for _ in range(400):  # every answer explained by its queue: the rate decays toward 0 but stops at 1e-7
+        f.observe(obs(cached=0, inflight=200), placement())
+    assert f.costs("baseline").prefill_s == 1e-7
+
+
+def test_no_prompt_count_or_no_first_token_teaches_no_prefill_and_an_error_teaches_nothing():
+    f = Figures()
+    f.observe(obs(prompt=None), placement())
+    f.observe(obs(prompt=0), placement())
+    f.observe(obs(ttft=None, tokens=None), placement())
+    f.observe(obs(ok=False), placement())
+    c = f.costs("baseline")
+    once = 0.02 + 0.05 * (0.04 - 0.02)  # the two with a first token still time the decode: 4 s, 100 tokens
+    assert (c.prefill_s, c.samples, c.tpot_s, c.tpot_samples) == (1e-4, 0, pytest.approx(once + 0.05 * (0.04 - once)), 2)
+
+
+def test_decode_speed_is_learned_per_token_after_the_first():
+    f = Figures()
+    f.observe(obs(ttft=1.0, duration=5.0, tokens=101), placement())  # 4 s over 100 tokens after the first
+    c = f.costs("baseline")
+    assert (c.tpot_s, c.tpot_samples) == (pytest.approx(0.02 + 0.05 * (0.04 - 0.02)), 1)
+    f.observe(obs(tokens=1), placement())  # one token: no decode to time
+    assert c.tpot_samples == 1
+    assert not f.known("baseline", "speculative")
+    f.observe(obs(pool="speculative", tokens=2, duration=1.5), placement())
+    assert f.known("baseline", "speculative") and f.known("speculative", "baseline")
+    assert not Figures().known("baseline", "baseline")
+
+
+@pytest.mark.parametrize("nbytes, prompt_tokens, rounds, want", [
+    (52_000, 10_000, 1, 4.0 + 0.05 * (5.2 - 4.0)),
+    (52_000, 100, 1, 16.0),  # 520 bytes a token is no tokenizer: capped
+    (52_000, 10**9, 40, 1.0),  # nor is a thousandth of a byte: floored
+])
+def test_bytes_per_token_follow_the_reported_prompt_tokens_within_bounds(nbytes, prompt_tokens, rounds, want):
+    f = Figures()
+    p = Prompt(TEXT, nbytes, PROMPT.blocks)
+    for _ in range(rounds):
+        f.observe(obs(prompt=prompt_tokens), placement(prompt=p))
+    assert f.bytes_per_token == pytest.approx(want)
+
+
+def test_bytes_per_token_need_a_hashed_prompt_with_bytes():
+    f = Figures()
+    f.observe(obs(prompt=100), placement(prompt=Prompt(TEXT, 4000, [])))
+    f.observe(obs(prompt=100), placement(prompt=Prompt(TEXT, 0, PROMPT.blocks)))
+    assert f.bytes_per_token == 4.0
+
+
+def test_reported_limits_and_capacity():
+    """max_running as reported, else the setting; a KV capacity change is news once."""
+    f = Figures(max_running=8)
+    assert f.limit("u") == 8 and Figures().limit("u") is None
+    assert f.observe_loads("u", LoadFigures(0, 0, max_running=32, max_total_tokens=100_000)) is True
+    assert (f.limit("u"), f.kv["u"]) == (32, 100_000)
+    assert f.observe_loads("u", LoadFigures(0, 0, max_total_tokens=100_000)) is False
+    assert f.observe_loads("u", LoadFigures(0, 0)) is False
+    assert (f.limit("u"), f.kv["u"]) == (32, 100_000)
+    assert f.observe_loads("u", LoadFigures(0, 0, max_total_tokens=50_000)) is True
+
+
+def test_the_figures_state_is_rounded_and_names_its_terms():
+    f = Figures()
+    f.observe(obs(tokens=57), placement(prompt=Prompt(TEXT, 40_001, PROMPT.blocks)))
+    c = f.costs("baseline")
+    assert f.state() == {"bytes_per_token": round(f.bytes_per_token, 3), "output_tokens": round(f.output_tokens, 1),
+                         "pools": {"baseline": {"prefill_s_per_token": c.prefill_s, "wait_s_per_request": 0.01,
+                                                "tpot_s": c.tpot_s, "samples": 1}}}
+    assert f.state()["bytes_per_token"] == 4.0 and f.state()["output_tokens"] == 246.1
