@@ -4,6 +4,7 @@ mutation run (scripts/mutation.sh, docs/TESTING.md "Decision core") found no oth
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ from router.policy import (
     LOAD_OVERRIDE,
     NO_MATCH,
     ONLY,
+    PINNED,
     POOL_KEPT,
     POOL_MOVED,
     SINGLE,
@@ -284,3 +286,43 @@ def test_the_figures_state_is_rounded_and_names_its_terms():
                          "pools": {"baseline": {"prefill_s_per_token": c.prefill_s, "wait_s_per_request": 0.01,
                                                 "tpot_s": c.tpot_s, "samples": 1}}}
     assert f.state()["bytes_per_token"] == 4.0 and f.state()["output_tokens"] == 246.1
+
+
+# ---- the snapshot
+
+
+def test_a_backend_without_prefix_figures_counts_none_queued_and_generation_zero():
+    """A backend view with only the policy's four fields (url, pool, routable, load_estimate)."""
+    bare = SimpleNamespace(url="a", pool="baseline", routable=True, load_estimate=2)
+    e = Snapshot.take([bare]).view.backends[0]
+    assert (e.pending_tokens, e.generation, e.live) == (0, 0, bare)
+
+
+def test_a_snapshot_of_endpoints_keeps_their_live_backends():
+    """Endpoints taken again (a snapshot of a snapshot) are not wrapped twice: the decision still names the live
+    backend the lease is taken on."""
+    backends = [BackendLoad("a", "baseline", 3, True), BackendLoad("b", "baseline", 1, True)]
+    again = Snapshot.take(Snapshot.take(backends).view.backends)
+    assert [e.live for e in again.view.backends] == backends
+    got = Scheduler(LeastInflight()).decide(again, random.Random(0))
+    assert got.decision.backend is backends[1]
+
+
+def test_no_depths_without_prefix_routing_or_blocks():
+    backends = [BackendLoad("a", "baseline", 0, True)]
+    assert Snapshot.take(backends).depth == {}
+    assert Snapshot.take(backends, None, Prompt(TEXT, 400, []), lambda e, blocks: 9).depth == {}
+    assert Snapshot.take(backends, None, PROMPT, lambda e, blocks: 9).depth == {"a": 9}
+
+
+def test_a_pinned_request_keeps_its_prompt_and_prefix_depths_through_the_filter():
+    """The pinned filter narrows the endpoints only: within the pinned pool the instance holding the prompt
+    still wins over a less loaded one, and the placement is made."""
+    aff = Affinity()
+    aff.index.of("b1", 0, 1000).insert(PROMPT.blocks)
+    backends = [BackendLoad("s", "speculative", 0, True), BackendLoad("b1", "baseline", 2, True),
+                BackendLoad("b2", "baseline", 0, True)]
+    sched = Scheduler(LeastInflight(), aff)
+    got = sched.decide(sched.snapshot(backends, "baseline", PROMPT), random.Random(0))
+    assert (got.decision.url, got.decision.reason, got.placement.reason) == ("b1", PINNED, AFFINITY)
+    assert got.placement.depth > 0
