@@ -240,7 +240,7 @@ def test_decode_speed_is_learned_per_token_after_the_first():
     assert (c.tpot_s, c.tpot_samples) == (pytest.approx(0.02 + 0.05 * (0.04 - 0.02)), 1)
     f.observe(obs(tokens=1), placement())  # one token: no decode to time
     assert c.tpot_samples == 1
-    assert not f.known("baseline", "speculative")
+    assert not f.known("baseline", "speculative") and not f.known("speculative", "baseline")
     f.observe(obs(pool="speculative", tokens=2, duration=1.5), placement())
     assert f.known("baseline", "speculative") and f.known("speculative", "baseline")
     assert not Figures().known("baseline", "baseline")
@@ -280,12 +280,16 @@ def test_reported_limits_and_capacity():
 
 def test_the_figures_state_is_rounded_and_names_its_terms():
     f = Figures()
-    f.observe(obs(tokens=57), placement(prompt=Prompt(TEXT, 40_001, PROMPT.blocks)))
+    f.observe(obs(tokens=57), placement(prompt=Prompt(TEXT, 52_345, PROMPT.blocks)))
+    f.observe(obs(tokens=57, prompt=None), placement())
     c = f.costs("baseline")
     assert f.state() == {"bytes_per_token": round(f.bytes_per_token, 3), "output_tokens": round(f.output_tokens, 1),
                          "pools": {"baseline": {"prefill_s_per_token": c.prefill_s, "wait_s_per_request": 0.01,
                                                 "tpot_s": c.tpot_s, "samples": 1}}}
-    assert f.state()["bytes_per_token"] == 4.0 and f.state()["output_tokens"] == 246.1
+    # 4 + 5% of (5.2345 - 4) = 4.061725; 256 -> 246.05 -> 236.5975
+    assert (f.state()["bytes_per_token"], f.state()["output_tokens"]) == (4.062, 236.6)
+    f.observe(obs(), placement())
+    assert f.state()["pools"]["baseline"]["samples"] == 2
 
 
 # ---- the snapshot
