@@ -18,6 +18,7 @@ from router.policies import LeastInflight
 from router.policy import (
     AFFINITY,
     BELOW,
+    FAILOVER,
     LOAD_OVERRIDE,
     NO_MATCH,
     ONLY,
@@ -29,7 +30,7 @@ from router.policy import (
     Decision,
     View,
 )
-from router.prefix import TEXT, Prompt, chain
+from router.prefix import IMAGE, TEXT, Prompt, chain
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -330,3 +331,198 @@ def test_a_pinned_request_keeps_its_prompt_and_prefix_depths_through_the_filter(
     got = sched.decide(sched.snapshot(backends, "baseline", PROMPT), random.Random(0))
     assert (got.decision.url, got.decision.reason, got.placement.reason) == ("b1", PINNED, AFFINITY)
     assert got.placement.depth > 0
+
+
+# ---- the prefix scorer's prices (defaults: 1024-byte blocks, 4 bytes a token: 256 tokens a block; priors: 1e-4 s
+# a prompt token, 0.01 s a request ahead, 0.02 s an output token x 256 of them)
+
+
+def held_by(aff: Affinity, url: str, blocks: int, generation: int = 0) -> None:
+    aff.index.of(url, generation, 1000).insert(PROMPT.blocks[:blocks])
+
+
+def scores(aff: Affinity, backends: list, proposal: int = 0, reason: str = BELOW, prompt: Prompt = PROMPT):
+    snap = Snapshot.take(backends, None, prompt, aff.match)
+    return aff.score(snap, Decision(snap.view.backends[proposal], reason))
+
+
+def costs(ps) -> dict[str, float]:
+    return {s.endpoint.url: s.cost_s for s in ps.cands}
+
+
+def test_each_candidate_is_priced_by_its_queue_then_the_prefill_it_lacks():
+    aff = Affinity()
+    held_by(aff, "a", 50)  # all 50 blocks: 12,800 of the prompt's 13,000 tokens
+    got = scores(aff, [BackendLoad("a", "baseline", 2, True), BackendLoad("b", "baseline", 0, True, 1000)])
+    assert got.home.pool == "baseline" and got.away is None
+    assert costs(got.home) == {
+        "a": pytest.approx(0.01 * 2 + 1e-4 * 200),  # two requests ahead, 200 tokens to prefill
+        # 1000 tokens queued, the whole prompt to prefill and the copy of a's 12,800 priced again
+        "b": pytest.approx(1e-4 * 1000 + 1e-4 * (13_000 + 12_800))}
+    assert (got.home.decode_s, got.home.prefill_s) == (pytest.approx(256 * 0.02), 1e-4)
+
+
+def test_a_prompt_held_whole_costs_only_its_queue():
+    aff = Affinity()
+    held_by(aff, "a", 50)
+    short = Prompt(TEXT, 10_000, PROMPT.blocks)  # 2,500 tokens, every block held
+    got = scores(aff, [BackendLoad("a", "baseline", 3, True), BackendLoad("b", "baseline", 0, True)], prompt=short)
+    assert costs(got.home) == {"a": pytest.approx(0.03), "b": pytest.approx(1e-4 * 2 * 2_500)}
+
+
+@pytest.mark.parametrize("load, limit, want", [
+    (1, 2, 0.01),  # below the running limit: the request's share of the decode steps
+    (2, 2, 0.02 + 1 * 5.12 / 2),  # at the limit: it waits for one slot; a slot frees every 5.12 s / 2
+    (5, 2, 0.05 + 4 * 5.12 / 2),  # 4 slots to wait for
+    (10**6, 2, 3600.0),  # the load term is capped
+])
+def test_beyond_the_running_limit_a_request_waits_for_slots(load, limit, want):
+    aff = Affinity()
+    aff.figures.observe_loads("a", LoadFigures(0, 0, max_running=limit))  # as reported, per backend
+    short = Prompt(TEXT, 10_000, PROMPT.blocks)
+    held_by(aff, "a", 50)
+    got = scores(aff, [BackendLoad("a", "baseline", load, True), BackendLoad("b", "baseline", 0, True)], prompt=short)
+    assert costs(got.home)["a"] == pytest.approx(want)
+
+
+def test_a_snapshot_without_depths_prices_every_candidate_as_holding_nothing():
+    aff = Affinity()
+    held_by(aff, "a", 50)
+    backends = [BackendLoad("a", "baseline", 0, True), BackendLoad("b", "baseline", 0, True)]
+    got = aff.score(Snapshot(View.of(Snapshot.take(backends).view.backends), None, PROMPT),
+                    Decision(backends[0], BELOW))
+    assert costs(got.home) == {"a": pytest.approx(1.3), "b": pytest.approx(1.3)}
+
+
+def test_the_proposed_pool_is_home_and_the_other_pool_away():
+    aff = Affinity()
+    backends = [BackendLoad("s1", "speculative", 0, True), BackendLoad("s2", "speculative", 1, True),
+                BackendLoad("b1", "baseline", 0, True), BackendLoad("b2", "baseline", 0, False)]
+    got = scores(aff, backends)
+    assert (got.home.pool, set(costs(got.home)), got.away.pool, set(costs(got.away))) == (
+        "speculative", {"s1", "s2"}, "baseline", {"b1"})
+    assert (got.prompt_tokens, got.tokens(10)) == (13_000, 2560)  # the scorer's block and token sizes
+
+
+@pytest.mark.parametrize("cross_pool, reason", [(False, BELOW), (True, PINNED), (True, FAILOVER)])
+def test_no_other_pool_when_cross_pool_is_off_or_the_pool_was_not_a_choice(cross_pool, reason):
+    aff = Affinity(cross_pool=cross_pool)
+    backends = [BackendLoad("s1", "speculative", 0, True), BackendLoad("b1", "baseline", 0, True)]
+    assert scores(aff, backends, reason=reason).away is None
+
+
+def test_the_pools_are_known_only_when_both_decode_speeds_are_measured():
+    aff = Affinity()
+    aff.figures.observe(obs(pool="speculative"), placement())
+    backends = [BackendLoad("s1", "speculative", 0, True), BackendLoad("b1", "baseline", 0, True)]
+    assert not scores(aff, backends).known
+    aff.figures.observe(obs(pool="baseline"), placement())
+    assert scores(aff, backends).known
+
+
+def test_a_prompt_that_is_not_text_has_no_token_estimate():
+    aff = Affinity()
+    image = Prompt(IMAGE, 400, [])
+    got = scores(aff, [BackendLoad("a", "baseline", 0, True)], prompt=image)
+    assert (got.prompt, got.prompt_tokens, got.reason, got.home) == (image, 0, IMAGE, None)
+
+
+# ---- what a send leaves behind, and the index's upkeep
+
+
+def test_the_first_send_brings_what_the_picker_did_not_find_cached_a_retry_what_the_index_does_not_hold():
+    aff = Affinity()
+    held_by(aff, "c", 10)  # 2,560 tokens
+    pl = Placement(AFFINITY, PROMPT, 2560, 13_000, 10)
+    first = BackendLoad("a", "baseline", 0, True, 700, generation=3)
+    assert aff.sent(first, pl) == 13_000 - 2560 and (pl.sends, pl.pending_ahead) == (1, 700)
+    assert aff.index.peek("a", 3).depth(PROMPT.blocks) == 50  # under the backend's generation
+    assert aff.sent(BackendLoad("c", "baseline", 0, True, 5), pl) == 13_000 - 2560  # a retry: looked up
+    assert (pl.sends, pl.pending_ahead) == (2, 5)
+    assert aff.sent(BackendLoad("d", "baseline", 0, True), pl) == 13_000
+    assert pl.sends == 3
+    whole = Placement(AFFINITY, PROMPT, 13_000, 13_000, 50)
+    assert aff.sent(BackendLoad("e", "baseline", 0, True), whole) == 0
+
+
+def test_a_send_of_a_prompt_without_blocks_brings_nothing_and_touches_no_index():
+    aff = Affinity()
+    assert aff.sent(BackendLoad("a", "baseline", 0, True), Placement(NO_MATCH, Prompt(TEXT, 400, []), 0, 100)) == 0
+    assert aff.index.size("a") == 0
+
+
+def test_sends_count_the_backend_instance_it_reached():
+    """A backend view without prefix figures (no generation, no pending tokens) is generation 0 with none queued."""
+    aff = Affinity()
+    bare = SimpleNamespace(url="a", pool="baseline", routable=True, load_estimate=0)
+    pl = Placement(NO_MATCH, PROMPT, 0, 13_000)
+    assert aff.sent(bare, pl) == 13_000 and pl.pending_ahead == 0
+    assert aff.index.peek("a", 0).depth(PROMPT.blocks) == 50
+
+
+@pytest.mark.parametrize("cached_blocks, depth_after", [
+    (48, 48),  # two blocks fewer than the index said: forget beyond what it holds
+    (49, 50),  # one fewer: within a block's rounding, kept
+    (50, 50),
+])
+def test_fewer_cached_tokens_than_expected_truncate_the_index_to_what_it_holds(cached_blocks, depth_after):
+    aff = Affinity()
+    held_by(aff, "u", 50)
+    pl = Placement(AFFINITY, PROMPT, 12_800, 13_000, 50)
+    aff.observe(obs(cached=cached_blocks * 256), pl)
+    assert aff.index.peek("u").depth(PROMPT.blocks) == depth_after
+
+
+def test_truncation_follows_the_generation_and_needs_a_finished_answer_and_an_index():
+    aff = Affinity()
+    held_by(aff, "u", 50, generation=2)
+    pl = Placement(AFFINITY, PROMPT, 12_800, 13_000, 50)
+    aff.observe(obs(cached=0, ok=False), pl)
+    aff.observe(obs(cached=0), pl)  # generation 0's index: none
+    aff.observe(obs(cached=0), None)
+    assert aff.index.peek("u", 2).depth(PROMPT.blocks) == 50
+    aff.observe(obs(cached=0), pl, generation=2)
+    assert aff.index.peek("u", 2).depth(PROMPT.blocks) == 0
+
+
+def test_a_capacity_change_resizes_that_backends_index():
+    aff = Affinity()
+    held_by(aff, "u", 50)
+    aff.observe_loads("u", LoadFigures(0, 0, max_total_tokens=4096), False)
+    assert aff.index.by_url["u"].capacity == 1000
+    aff.observe_loads("u", LoadFigures(0, 0, max_total_tokens=4096), True)
+    assert aff.index.by_url["u"].capacity == 16  # 4096 tokens x 4 bytes / 1024-byte blocks
+
+
+def test_a_forgotten_backend_needs_a_new_hit_before_zero_polls_count_again():
+    """After a forget (the cache was lost), a hit rate of 0 is what a fresh cache says: no second forget until it
+    has had hits again."""
+    aff = Affinity()
+    held_by(aff, "u", 50)
+    aff.observe_loads("u", LoadFigures(0, 0, cache_hit_rate=0.5), False)
+    aff.forget("u")
+    held_by(aff, "u", 50)
+    for _ in range(5):
+        aff.observe_loads("u", LoadFigures(0, 0, cache_hit_rate=0.0), False)
+    assert aff.index.size("u") > 0 and aff.forgotten == 1
+
+
+def test_forgotten_counts_backends_whose_index_was_dropped():
+    aff = Affinity()
+    assert aff.state() == {"block_bytes": 1024, "bytes_per_token": 4.0, "output_tokens": 256.0, "cross_pool": True,
+                           "forgotten": 0, "pools": {}}
+    aff.forget("nobody")
+    held_by(aff, "a", 5)
+    held_by(aff, "b", 5)
+    aff.forget("a")
+    aff.forget("b")
+    aff.forget("a")
+    assert aff.state()["forgotten"] == 2
+
+
+def test_the_scorers_sizes_and_shared_figures():
+    f = Figures()
+    assert Affinity(figures=f).figures is f and Affinity().figures is not f
+    small = Affinity(capacity_tokens=4096)
+    assert (small.index.of("u").capacity, small.capacity_of("v"), small.tokens(10)) == (16, 16, 2560)
+    assert Affinity(capacity_tokens=100).capacity_of("u") == 2  # never fewer than two blocks
