@@ -31,6 +31,7 @@ from router.policy import (
     View,
 )
 from router.prefix import IMAGE, TEXT, Prompt, chain
+from tests.fixtures_policy import policy_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -526,3 +527,29 @@ def test_the_scorers_sizes_and_shared_figures():
     small = Affinity(capacity_tokens=4096)
     assert (small.index.of("u").capacity, small.capacity_of("v"), small.tokens(10)) == (16, 16, 2560)
     assert Affinity(capacity_tokens=100).capacity_of("u") == 2  # never fewer than two blocks
+
+
+# ---- the policies' builder
+
+
+SPEC_CURVE = ((1, 77.5), (2, 125.1), (5, 183.2), (10, 239.6), (30, 299.5))
+BASE_CURVE = ((1, 92.6), (2, 159.7), (5, 292.5), (10, 457.2), (30, 711.0))
+
+
+def test_the_builder_passes_every_setting_to_the_policy_it_builds():
+    from router.curves import fit_token_time
+
+    ad = policy_of("adaptive", objective="throughput", adaptive_forgetting=0.9, adaptive_explore=0.1,
+                   adaptive_deadband=0.05, adaptive_max_running=7, curves=(SPEC_CURVE, BASE_CURVE))
+    assert (ad.objective, ad.forgetting, ad.explore, ad.deadband, ad.max_running, ad.defer_fits) == (
+        "throughput", 0.9, 0.1, 0.05, 7, True)
+    assert ad.priors == {"speculative": fit_token_time([list(p) for p in SPEC_CURVE]),
+                         "baseline": fit_token_time([list(p) for p in BASE_CURVE])}
+    assert policy_of("adaptive").priors == {}
+    one = policy_of("adaptive", speculative_curve=[list(p) for p in SPEC_CURVE])
+    assert set(one.priors) == {"speculative"}
+    g = policy_of("global", threshold=6, hysteresis=2)
+    assert (g.threshold, g.hysteresis, g.speculating) == (6, 2, True)
+    assert policy_of("spillover", threshold=6).threshold == 6
+    b = policy_of("balanced", curves=(SPEC_CURVE, BASE_CURVE))
+    assert (b.spec_curve[0], b.base_curve[0]) == ((1.0, 77.5), (1.0, 92.6))
