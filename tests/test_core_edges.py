@@ -553,3 +553,14 @@ def test_the_builder_passes_every_setting_to_the_policy_it_builds():
     assert policy_of("spillover", threshold=6).threshold == 6
     b = policy_of("balanced", curves=(SPEC_CURVE, BASE_CURVE))
     assert (b.spec_curve[0], b.base_curve[0]) == ((1.0, 77.5), (1.0, 92.6))
+
+
+def test_the_builders_refusals_say_what_is_missing():
+    from router.policies import make_policy
+
+    with pytest.raises(ValueError) as e:
+        make_policy(SimpleNamespace(policy="balanced", curves=lambda: None))
+    assert str(e.value) == "the balanced policy needs both throughput curves"
+    with pytest.raises(ValueError) as e:
+        make_policy(SimpleNamespace(policy="fastest"))
+    assert str(e.value) == "unknown policy 'fastest'"
