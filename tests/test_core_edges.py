@@ -564,3 +564,16 @@ def test_the_builders_refusals_say_what_is_missing():
     with pytest.raises(ValueError) as e:
         make_policy(SimpleNamespace(policy="fastest"))
     assert str(e.value) == "unknown policy 'fastest'"
+
+
+def test_a_policy_with_one_pool_configured_says_failover_only_when_the_other_is_configured():
+    """router.policy.sole_pool's rule, asked of the policy itself (the scheduler then says only_pool): balanced
+    with only a speculative pool gives its own reason; with a baseline pool configured but down, failover."""
+    from router.policies import Balanced
+    from router.policy import FASTER
+
+    bal = Balanced((SPEC_CURVE, BASE_CURVE))
+    alone = View.of([BackendLoad("s", "speculative", 0, True)])
+    assert (bal.decide(alone, random.Random(0)).url, bal.decide(alone, random.Random(0)).reason) == ("s", FASTER)
+    down = View.of([BackendLoad("s", "speculative", 0, True), BackendLoad("b", "baseline", 0, False)])
+    assert (bal.decide(down, random.Random(0)).url, bal.decide(down, random.Random(0)).reason) == ("s", FAILOVER)
