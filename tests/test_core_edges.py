@@ -387,11 +387,11 @@ def test_beyond_the_running_limit_a_request_waits_for_slots(load, limit, want):
 
 
 def test_a_snapshot_without_depths_prices_every_candidate_as_holding_nothing():
+    """A Snapshot made directly, of backend views with only the policy's fields: no depths, nothing queued."""
     aff = Affinity()
     held_by(aff, "a", 50)
-    backends = [BackendLoad("a", "baseline", 0, True), BackendLoad("b", "baseline", 0, True)]
-    got = aff.score(Snapshot(View.of(Snapshot.take(backends).view.backends), None, PROMPT),
-                    Decision(backends[0], BELOW))
+    backends = [SimpleNamespace(url=u, pool="baseline", routable=True, load_estimate=0) for u in "ab"]
+    got = aff.score(Snapshot(View.of(backends), None, PROMPT), Decision(backends[0], BELOW))
     assert costs(got.home) == {"a": pytest.approx(1.3), "b": pytest.approx(1.3)}
 
 
