@@ -290,8 +290,8 @@ def test_the_figures_state_is_rounded_and_names_its_terms():
                                                 "tpot_s": c.tpot_s, "samples": 1}}}
     # 4 + 5% of (5.2345 - 4) = 4.061725; 256 -> 246.05 -> 236.5975
     assert (f.state()["bytes_per_token"], f.state()["output_tokens"]) == (4.062, 236.6)
-    f.observe(obs(), placement())
-    assert f.state()["pools"]["baseline"]["samples"] == 2
+    f.observe(obs(), placement())  # 236.5975 + 5% of (101 - 236.5975) = 229.817625
+    assert (f.state()["pools"]["baseline"]["samples"], f.state()["output_tokens"]) == (2, 229.8)
 
 
 # ---- the snapshot
