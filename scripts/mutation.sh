@@ -18,7 +18,7 @@ MUTMUT="$ROOT/.venv/bin/mutmut"
 # The tests that reach each module and judge it from outside, fast (no e2e, bench, deploy or fuzz files).
 # mutmut runs, for each mutant, only those of them that call the mutated function.
 declare -A MODULE_TESTS=(
-  [router/policy.py]="tests/test_policy.py"
+  [router/policy.py]="tests/test_policy.py tests/test_core.py tests/test_core_edges.py"
   [router/pools.py]="tests/test_pools.py tests/test_policy.py tests/test_outlier.py tests/test_router_health.py
     tests/test_router_discovery.py::test_removed_backend_with_leases_drains_then_disappears
     tests/test_router_discovery.py::test_idle_backend_is_dropped_at_once_and_readding_a_draining_one_revives_it

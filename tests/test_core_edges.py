@@ -577,3 +577,11 @@ def test_a_policy_with_one_pool_configured_says_failover_only_when_the_other_is_
     assert (bal.decide(alone, random.Random(0)).url, bal.decide(alone, random.Random(0)).reason) == ("s", FASTER)
     down = View.of([BackendLoad("s", "speculative", 0, True), BackendLoad("b", "baseline", 0, False)])
     assert (bal.decide(down, random.Random(0)).url, bal.decide(down, random.Random(0)).reason) == ("s", FAILOVER)
+
+
+def test_a_policy_that_learns_nothing_leaves_the_learner_no_work():
+    """router.learner calls learn() until it returns False: a fixed policy must say so at once, or the learner
+    would spin."""
+    for name in ("spillover", "global", "least-inflight", "round-robin", "balanced"):
+        pol = policy_of(name, curves=(SPEC_CURVE, BASE_CURVE))
+        assert (pol.learn(), pol.learn(64), pol.state(View.of([]))) == (False, False, None), name
