@@ -568,7 +568,7 @@ def test_the_builders_refusals_say_what_is_missing():
 
 def test_a_policy_with_one_pool_configured_says_failover_only_when_the_other_is_configured():
     """router.policy.sole_pool's rule, asked of the policy itself (the scheduler then says only_pool): balanced
-    with only a speculative pool gives its own reason; with a baseline pool configured but down, failover."""
+    with only one pool configured gives its own reason; with the other pool configured but down, failover."""
     from router.policies import Balanced
     from router.policy import FASTER
 
@@ -577,6 +577,10 @@ def test_a_policy_with_one_pool_configured_says_failover_only_when_the_other_is_
     assert (bal.decide(alone, random.Random(0)).url, bal.decide(alone, random.Random(0)).reason) == ("s", FASTER)
     down = View.of([BackendLoad("s", "speculative", 0, True), BackendLoad("b", "baseline", 0, False)])
     assert (bal.decide(down, random.Random(0)).url, bal.decide(down, random.Random(0)).reason) == ("s", FAILOVER)
+    base = View.of([BackendLoad("b", "baseline", 0, True)])
+    assert (bal.decide(base, random.Random(0)).url, bal.decide(base, random.Random(0)).reason) == ("b", FASTER)
+    base_down = View.of([BackendLoad("s", "speculative", 0, False), BackendLoad("b", "baseline", 0, True)])
+    assert bal.decide(base_down, random.Random(0)).reason == FAILOVER
 
 
 def test_a_policy_that_learns_nothing_leaves_the_learner_no_work():
