@@ -18,7 +18,7 @@ MUTMUT="$ROOT/.venv/bin/mutmut"
 # The tests that reach each module and judge it from outside, fast (no e2e, bench, deploy or fuzz files).
 # mutmut runs, for each mutant, only those of them that call the mutated function.
 declare -A MODULE_TESTS=(
-  [router/policy.py]="tests/test_policy.py"
+  [router/policy.py]="tests/test_policy.py tests/test_core.py tests/test_core_edges.py"
   [router/pools.py]="tests/test_pools.py tests/test_policy.py tests/test_outlier.py tests/test_router_health.py
     tests/test_router_discovery.py::test_removed_backend_with_leases_drains_then_disappears
     tests/test_router_discovery.py::test_idle_backend_is_dropped_at_once_and_readding_a_draining_one_revives_it
@@ -50,6 +50,18 @@ declare -A MODULE_TESTS=(
     tests/test_router_proxy.py tests/test_router_errors.py tests/test_router_routing.py tests/test_router_streaming.py
     tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py
     tests/test_router_body.py::test_a_stalled_upload_is_408_with_the_deadline_named"
+  # The decision core: pure, no sockets (tests/test_core_edges.py: the edges its mutants showed).
+  [router/core/plugins.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
+  [router/core/scheduler.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
+  [router/core/snapshot.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
+  [router/core/figures.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_pools.py"
+  [router/affinity.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py"
+  [router/policies/__init__.py]="tests/test_policy.py tests/test_core_edges.py"
+  [router/policies/balanced.py]="tests/test_policy.py tests/test_core_edges.py"
+  [router/policies/global_mode.py]="tests/test_policy.py tests/test_core_edges.py"
+  [router/policies/least_inflight.py]="tests/test_policy.py tests/test_core_edges.py"
+  [router/policies/round_robin.py]="tests/test_policy.py tests/test_core_edges.py"
+  [router/policies/spillover.py]="tests/test_policy.py tests/test_core_edges.py"
 )
 
 if [ "$#" -gt 0 ]; then
