@@ -214,14 +214,14 @@ def test_the_prefill_rate_is_the_ttft_beyond_the_queue_per_uncached_token(
     f.observe(obs(cached=cached, inflight=inflight, ttft=ttft), placement(expected_cached=expected_cached,
                                                                          pending_ahead=pending))
     c = f.costs("baseline")
-    assert (c.prefill_s, c.samples) == (pytest.approx(want), 1)
+    assert (c.ttft_s_per_token, c.samples) == (pytest.approx(want), 1)
 
 
 def test_the_prefill_rate_never_reaches_zero():
     f = Figures()
     for _ in range(400):  # every answer explained by its queue: the rate decays toward 0 but stops at 1e-7
         f.observe(obs(cached=0, inflight=200), placement())
-    assert f.costs("baseline").prefill_s == 1e-7
+    assert f.costs("baseline").ttft_s_per_token == 1e-7
 
 
 def test_no_prompt_count_or_no_first_token_teaches_no_prefill_and_an_error_teaches_nothing():
@@ -232,7 +232,7 @@ def test_no_prompt_count_or_no_first_token_teaches_no_prefill_and_an_error_teach
     f.observe(obs(ok=False), placement())
     c = f.costs("baseline")
     once = 0.02 + 0.05 * (0.04 - 0.02)  # the two with a first token still time the decode: 4 s, 100 tokens
-    assert (c.prefill_s, c.samples, c.tpot_s, c.tpot_samples) == (1e-4, 0, pytest.approx(once + 0.05 * (0.04 - once)), 2)
+    assert (c.ttft_s_per_token, c.samples, c.tpot_s, c.tpot_samples) == (1e-4, 0, pytest.approx(once + 0.05 * (0.04 - once)), 2)
 
 
 def test_decode_speed_is_learned_per_token_after_the_first():
@@ -286,7 +286,7 @@ def test_the_figures_state_is_rounded_and_names_its_terms():
     f.observe(obs(tokens=57, prompt=None), placement())
     c = f.costs("baseline")
     assert f.state() == {"bytes_per_token": round(f.bytes_per_token, 3), "output_tokens": round(f.output_tokens, 1),
-                         "pools": {"baseline": {"prefill_s_per_token": c.prefill_s, "wait_s_per_request": 0.01,
+                         "pools": {"baseline": {"prefill_s_per_token": c.ttft_s_per_token, "wait_s_per_request": 0.01,
                                                 "tpot_s": c.tpot_s, "samples": 1}}}
     # 4 + 5% of (5.2345 - 4) = 4.061725; 256 -> 246.05 -> 236.5975
     assert (f.state()["bytes_per_token"], f.state()["output_tokens"]) == (4.062, 236.6)
@@ -540,7 +540,7 @@ def test_the_builder_passes_every_setting_to_the_policy_it_builds():
     from router.curves import fit_token_time
 
     ad = policy_of("adaptive", objective="throughput", adaptive_forgetting=0.9, adaptive_explore=0.1,
-                   adaptive_deadband=0.05, adaptive_max_running=7, curves=(SPEC_CURVE, BASE_CURVE))
+                   adaptive_deadband=0.05, max_running_requests=7, curves=(SPEC_CURVE, BASE_CURVE))
     assert (ad.objective, ad.forgetting, ad.explore, ad.deadband, ad.max_running, ad.defer_fits) == (
         "throughput", 0.9, 0.1, 0.05, 7, True)
     assert ad.priors == {"speculative": fit_token_time([list(p) for p in SPEC_CURVE]),
