@@ -6,12 +6,9 @@ import time
 
 from aiohttp import hdrs, web
 
-from router import health
 from router.body import read_body, with_usage
 from router.errors import (
-    BadRequest,
     Failure,
-    NoHealthyBackend,
     RouterError,
     ShuttingDown,
     UpstreamDisconnected,
@@ -21,31 +18,21 @@ from router.errors import (
     sse_error_event,
     status_kind,
 )
+from router.headers import BACKEND_HEADER, POOL_HEADER, pinned_pool
+from router.health import no_backend
 from router.observe import OK, Attempt, Observation
-from router.policy import POOLS, RETRY
-from router.pools import Backend, Lease
+from router.policy import RETRY
+from router.pools import Lease
 from router.prefix import prompt_of
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE, Reply
 from router.watchdog import FirstByteDeadline, Watchdog
 
-POOL_HEADER = "X-Router-Pool"
-BACKEND_HEADER = "X-Router-Backend"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RETRY_STATUSES = frozenset((502, 503))
 # Status label for a client that left before the answer ended (nginx's convention).
 CLIENT_CLOSED = "499"
-
-
-def pinned_pool(request: web.Request) -> str | None:
-    value = request.headers.get(POOL_HEADER)
-    if value is None:
-        return None
-    value = value.strip().lower()
-    if value not in POOLS:
-        raise BadRequest(f"{POOL_HEADER} must be one of {', '.join(POOLS)}", code="invalid_pool")
-    return value
 
 
 def upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
@@ -348,16 +335,9 @@ async def flush(writer, transport: asyncio.BaseTransport) -> None:
             transport.set_write_buffer_limits(high=high, low=low)
 
 
-def no_backend(backends: list[Backend]) -> NoHealthyBackend:
-    """The 503 for a request no backend can take (a pinned pool fails over, so none at all is routable),
-    naming each backend's state and last probe result."""
-    return NoHealthyBackend(f"no healthy backend: {health.summary(backends)}" if backends else "no healthy backend",
-                            probes=health.report(backends))
-
-
 async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     st = request.app[STATE]
-    pinned = pinned_pool(request)
+    pinned = pinned_pool(request.headers.get(POOL_HEADER))
     body, head = await read_body(request, st.settings.max_body_bytes, st.settings.client_timeout)
     stream = head.streamed
     client_wants_usage = head.wants_usage

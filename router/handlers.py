@@ -20,7 +20,7 @@ from router.errors import (
     error_response,
     translate,
 )
-from router.exchange import BACKEND_HEADER
+from router.headers import BACKEND_HEADER
 from router.health import report, summary
 from router.pools import IN_ROTATION, Backend
 from router.state import STATE, RouterState

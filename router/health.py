@@ -7,7 +7,7 @@ import logging
 import time
 
 from router import outlier, upstream
-from router.errors import PROBE_FAILED, PROBE_OK, Failure
+from router.errors import PROBE_FAILED, PROBE_OK, Failure, NoHealthyBackend
 from router.metrics import Metrics
 from router.pools import Backend, Pools
 from router.settings import Settings
@@ -203,3 +203,10 @@ class HealthChecker:
         self._task = None
         if self.client is not None:
             self.client.close()
+
+
+def no_backend(backends: list[Backend]) -> NoHealthyBackend:
+    """The 503 for a request no backend can take (a pinned pool fails over, so none at all is routable), naming
+    each backend's state and last probe result; both front ends answer it."""
+    return NoHealthyBackend(f"no healthy backend: {summary(backends)}" if backends else "no healthy backend",
+                            probes=report(backends))

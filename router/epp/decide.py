@@ -9,10 +9,11 @@ from urllib.parse import urlsplit
 from router.body import Head, parse_head
 from router.core.plugins import Eligible, Placement
 from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError
-from router.exchange import POOL_HEADER, no_backend
+from router.headers import pinned_pool
+from router.health import no_backend
 from router.metrics import Metrics
 from router.observe import OK, Attempt, Observation
-from router.policy import POOLS, Decision
+from router.policy import Decision
 from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
 from router.streaming import Usage
@@ -125,15 +126,6 @@ class Pick:
 
 def _by_endpoint(pools: Pools) -> dict[str, Backend]:
     return {endpoint_of(b.url): b for b in pools.backends}
-
-
-def pinned_pool(value: str | None) -> str | None:
-    if value is None:
-        return None
-    value = value.strip().lower()
-    if value not in POOLS:
-        raise BadRequest(f"{POOL_HEADER} must be one of {', '.join(POOLS)}", code="invalid_pool")
-    return value
 
 
 class Overloaded(RouterError):

@@ -18,7 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from router.body import with_usage
 from router.epp.decide import Decider, Pick, Request
 from router.errors import Failure, PayloadTooLarge, RouterError
-from router.exchange import BACKEND_HEADER, POOL_HEADER
+from router.headers import BACKEND_HEADER, POOL_HEADER
 from router.streaming import scan_usage, split_events, usage_view
 
 log = logging.getLogger("router.epp")
