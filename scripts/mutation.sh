@@ -51,8 +51,8 @@ declare -A MODULE_TESTS=(
     tests/test_router_lifecycle.py tests/test_router_hotpath.py tests/test_reliability_shutdown.py
     tests/test_router_body.py::test_a_stalled_upload_is_408_with_the_deadline_named"
   # The decision core: pure, no sockets (tests/test_core_edges.py: the edges its mutants showed).
-  [router/core/plugins.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
-  [router/core/scheduler.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
+  [router/core/plugins.py]="tests/test_core.py tests/test_core_edges.py tests/test_core_eligible.py tests/test_prefix.py tests/test_policy.py"
+  [router/core/scheduler.py]="tests/test_core.py tests/test_core_edges.py tests/test_core_eligible.py tests/test_prefix.py tests/test_policy.py"
   [router/core/snapshot.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_policy.py"
   [router/core/figures.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py tests/test_pools.py"
   [router/affinity.py]="tests/test_core.py tests/test_core_edges.py tests/test_prefix.py"
