@@ -18,7 +18,7 @@ USER_COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("bench.calibrate", "measure both pools and recommend the spillover threshold"),
     "compare": ("bench.compare", "router policies vs single pools on one pair of backends"),
     "replay": ("bench.replay", "replay a request trace (Mooncake JSONL) or synthetic multi-turn sessions, open loop"),
-    "overhead": ("bench.overhead", "what the router adds vs direct and vs sglang-router: rate, latency, memory"),
+    "overhead": ("bench.overhead", "what the router adds vs direct, sglang-router and Envoy (alone, and with spec-router epp): rate, latency, memory"),
     "fit": ("bench.sim.fit", "fit a simulator profile to a measured throughput table"),
     "gpu": ("bench.gpu.cli", "GPU micro-benchmarks (PyTorch + CUDA): step cost vs tokens, context, prompt; TP scaling"),
 }
