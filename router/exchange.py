@@ -348,13 +348,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     if got is None:
         raise no_backend(st.pools.backends)
     lease, decision, placement = got
-    m = st.metrics
-    m.child(m.decisions, decision.pool, decision.reason).inc()
-    if placement is not None:
-        m.child(m.prefix_decisions, decision.pool, placement.reason).inc()
-        if placement.prompt.hashed:
-            m.child(m.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
-            m.child(m.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
+    st.metrics.decided(decision, placement)
     ex = Exchange(st, request, lease, placement)
     try:
         with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):

@@ -100,6 +100,16 @@ class Metrics:
             got = self._children[key] = metric.labels(*values)
         return got
 
+    def decided(self, decision, placement) -> None:
+        """One routing decision (router.policy.Decision) and its prefix placement (router.core.plugins.Placement,
+        None without prefix routing), as both front ends count it."""
+        self.child(self.decisions, decision.pool, decision.reason).inc()
+        if placement is not None:
+            self.child(self.prefix_decisions, decision.pool, placement.reason).inc()
+            if placement.prompt.hashed:
+                self.child(self.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
+                self.child(self.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
+
 
 # The gauges a learning policy exports per pool: name, help, and the key of its state()["pools"][pool] they read.
 POLICY_GAUGES: tuple[tuple[str, str, str], ...] = (

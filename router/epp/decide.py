@@ -198,12 +198,5 @@ class Decider:
 
     def _count(self, decision: Decision, placement: Placement | None) -> None:
         """The decision's metrics, as serve counts them (router.exchange.proxy)."""
-        m = self.metrics
-        if m is None:
-            return
-        m.child(m.decisions, decision.pool, decision.reason).inc()
-        if placement is not None:
-            m.child(m.prefix_decisions, decision.pool, placement.reason).inc()
-            if placement.prompt.hashed:
-                m.child(m.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
-                m.child(m.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
+        if self.metrics is not None:
+            self.metrics.decided(decision, placement)
