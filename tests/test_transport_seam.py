@@ -97,6 +97,19 @@ async def headers_then_close(c: Conn) -> None:
     c.writer.close()
 
 
+def recorded(pools) -> list:
+    """Every observation the pools are told of from now on, in order (Pools.report_done still runs)."""
+    seen: list = []
+    report_done = pools.report_done
+
+    def recording(backend, obs, placement=None):
+        seen.append(obs)
+        report_done(backend, obs, placement)
+
+    pools.report_done = recording
+    return seen
+
+
 @pytest.mark.parametrize("failing", [reset_before_headers(), answers_503, headers_then_close],
                          ids=["reset-before-headers", "503", "closed-after-headers"])
 async def test_a_retry_gives_the_failed_backends_place_back(raw_backend_factory, router_factory, failing):
@@ -365,14 +378,7 @@ async def test_a_stream_runs_from_its_first_token_not_from_its_sending(raw_backe
     b = await raw_backend_factory({CHAT: act})
     router = await router_factory([b.url], [], **SETTINGS)
     pools = router.state.pools
-    seen = []
-    report_done = pools.report_done
-
-    def recording(backend, obs, placement=None):
-        seen.append(obs)
-        report_done(backend, obs, placement)
-
-    pools.report_done = recording
+    seen = recorded(pools)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         async with s.post(router.url + CHAT, json=STREAM) as first:
             assert first.status == 200 and await first.content.readuntil(b"\n\n")
@@ -412,14 +418,7 @@ async def test_a_request_not_streamed_runs_from_its_sending_and_reports_no_first
     b = await raw_backend_factory({CHAT: act})
     router = await router_factory([b.url], [], **{**SETTINGS, "max_connections_per_backend": 1})
     pools = router.state.pools
-    seen = []
-    report_done = pools.report_done
-
-    def recording(backend, obs, placement=None):
-        seen.append(obs)
-        report_done(backend, obs, placement)
-
-    pools.report_done = recording
+    seen = recorded(pools)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         async with s.post(router.url + CHAT, json=STREAM) as first:
             assert first.status == 200 and await first.content.readuntil(b"\n\n")
