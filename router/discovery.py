@@ -78,25 +78,28 @@ def apply_answers(pools: Pools, sources: Sequence[Source], answers: Sequence[fro
                   static: frozenset[str]) -> list[Backend]:
     """Each source's new members (None: no answer, keep the known ones) applied to the pools, with no await:
     the backends that joined are returned (to be probed), those that left drain (Pools.remove_backend)."""
-    added: list[Backend] = []
+    before = [source.members for source in sources]
     for source, members in zip(sources, answers, strict=True):
         if members is None or members == source.members:
             continue
-        # Another source may still list an address this one dropped: it stays while anyone lists it.
-        kept = {u for other in sources if other is not source for u in other.members} | static
+        # Another source of the same pool may still list an address this one dropped: it stays while one does.
+        kept = {u for other in sources if other is not source and other.pool == source.pool
+                for u in other.members} | static
         for url in sorted(source.members - members - kept):
             log.info("backend %s (%s) left %s", url, source.pool, source.origin)
             pools.remove_backend(url)
-        for url in sorted(members - source.members):
+        source.members = members
+    # Removals first: an address that left one pool in this round (a pod relabelled) may join the other.
+    added: list[Backend] = []
+    for source, old in zip(sources, before, strict=True):
+        for url in sorted(source.members):
             b = pools.by_url.get(url)
-            if b is not None and b.pool != source.pool:
-                log.warning("backend %s is already in the %s pool; not adding it to %s", url, b.pool,
-                            source.pool)
-                continue
             if b is None:
                 log.info("backend %s (%s) joined from %s", url, source.pool, source.origin)
                 added.append(pools.add_backend(url, source.pool))
-        source.members = members
+            elif b.pool != source.pool and url not in old:
+                log.warning("backend %s is already in the %s pool; not adding it to %s", url, b.pool,
+                            source.pool)
     return added
 
 
