@@ -127,7 +127,7 @@ def set_ready(pod: dict, ready: bool) -> None:
             c["status"] = "True" if ready else "False"
 
 
-def serve_pod(pod: dict, ip: str, port: int | None = None) -> None:
+def serve_pod(pod: dict, ip: str) -> None:
     """A fixture pod made Running and Ready at `ip`."""
     pod["status"].update(phase="Running", podIP=ip, podIPs=[{"ip": ip}])
     set_ready(pod, True)
