@@ -11,8 +11,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router import exporter, handlers
-from router.app import build_pools
-from router.discovery import Discovery, Resolver
+from router.app import build_discovery, build_pools
+from router.discovery import Resolver
 from router.epp.decide import Decider
 from router.epp.server import Processor, build_server, set_health
 from router.errors import error_middleware
@@ -68,8 +68,7 @@ class Epp:
         self.processor: Processor | None = None
         self.health_checker = HealthChecker(self.pools, settings, self.metrics)
         self.learner = Learner(self.pools)
-        self.discovery = (Discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
-                          if settings.discovery == "dns" else None)
+        self.discovery = build_discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
         self._ready_task: asyncio.Task | None = None
         # load_signal backend, as in serve: each backend's own running + waiting figures (other pickers' and
         # routers' requests included), polled through a client of the picker's own (it proxies nothing).
