@@ -95,6 +95,29 @@ def test_a_shape_file_plans_like_its_preset(capsys, tmp_path):
     assert strip == strip2
 
 
+@pytest.mark.parametrize("shape, preset", [("LLAMA_70B", "llama70b-h200-nvlink"), ("KIMI_K25", "kimi-k25-h200-nvlink")])
+def test_a_shape_file_on_a_hopper_gpu_takes_the_hopper_calibration(capsys, tmp_path, shape, preset):
+    # the H200 presets' measured calibration by model class (dense / MoE), not the seed box's: the same plan
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps(getattr(presets, shape).model_dump(mode="json")))
+    rc, out, _ = run(capsys, "--shape", str(f), "--gpu", "h200", "--interconnect", "nvlink")
+    rc2, out2, _ = run(capsys, "--preset", preset)
+    assert rc == rc2 == 0
+    strip = [ln for ln in out.splitlines() if not ln.startswith("predicted by")]
+    assert strip == [ln for ln in out2.splitlines() if not ln.startswith("predicted by")]
+
+
+def test_the_calibration_follows_the_gpu_and_the_model_class():
+    moe, dense = presets.KIMI_K25, presets.LLAMA_70B
+    assert presets.calibration(presets.H200, moe) == presets.HOPPER_MOE_CAL
+    assert presets.calibration(presets.H200, dense) == presets.HOPPER_DENSE_CAL
+    assert presets.calibration(presets.RTX_PRO_6000, moe) == presets.calibration(presets.RTX_PRO_6000, dense) \
+        == presets.SEED_CAL
+    assert presets.HOPPER_MOE_CAL != presets.HOPPER_DENSE_CAL != presets.SEED_CAL
+    for box in presets.BOXES.values():
+        assert box.cal == presets.calibration(box.gpu, box.shape), box.name
+
+
 def test_tp4_step_ratio_and_interconnect_are_inputs(capsys):
     _, pcie, _ = run(capsys, "--preset", "compose")
     _, measured, _ = run(capsys, "--preset", "compose", "--tp4-step-ratio", "3.0")
