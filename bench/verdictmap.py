@@ -29,7 +29,7 @@ LONG = {"baseline": "TP8 baseline", "eagle3": "TP8 EAGLE-3", "adaptive": "TP8 ad
 
 @dataclass(frozen=True)
 class Row:
-    run: str  # bench/results/verdict/demo-RUN.json
+    run: str  # the committed run: demo-{run}.json in bench/results/verdict/
     box: str
     model: str
     drafter: str
