@@ -129,7 +129,8 @@ def advise_inputs(ns) -> planmodel.Inputs | None:
         gpu = presets.GPUS[ns.gpu or "rtxpro6000"]
         link = presets.LINKS[ns.interconnect or "pcie"]
         box = stepcost.Box(name=f"{ns.shape.stem}-{ns.gpu or 'rtxpro6000'}-{link.name}", shape=shape, gpu=gpu,
-                           gpus=8, link=link, cal=presets.SEED_CAL, description=f"{shape.name} (shape file)")
+                           gpus=8, link=link, cal=presets.calibration(gpu, shape),
+                           description=f"{shape.name} (shape file)")
     if box is not None:
         if ns.interconnect:
             box = replace(box, link=presets.LINKS[ns.interconnect], name=f"{box.name}@{ns.interconnect}")
