@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from router import exchange, exporter, handlers, introspect
 from router.accept import Acceptor, listen_socket
 from router.affinity import Affinity
-from router.discovery import Discovery, Resolver, static_entries
+from router.discovery import BackendDiscovery, Discovery, Resolver, static_entries
 from router.errors import error_middleware
 from router.health import HealthChecker
 from router.k8s import InferencePoolDiscovery
@@ -76,7 +76,7 @@ def build_pools(settings: Settings) -> Pools:
 
 def build_discovery(pools: Pools, settings: Settings, metrics: Metrics, resolver: Resolver | None = None,
                     on_added: Callable[[Backend], Awaitable[None]] | None = None
-                    ) -> Discovery | InferencePoolDiscovery | None:
+                    ) -> BackendDiscovery | None:
     """The discovery of every front end (serve, epp): DNS names (discovery dns) or InferencePools
     (k8s_inference_pools; Settings allows one of the two), or None when backends are only the configured ones."""
     if settings.k8s_inference_pools:

@@ -7,7 +7,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from router.metrics import Metrics
@@ -72,6 +72,21 @@ class Source(Protocol):
 
     @property
     def origin(self) -> str: ...
+
+
+@runtime_checkable
+class BackendDiscovery(Protocol):
+    """What a front end (serve, epp) runs to follow changing backends: DNS names (Discovery) or InferencePools
+    (router.k8s.InferencePoolDiscovery)."""
+
+    async def refresh(self) -> None:
+        """One round: read every source now and apply what changed."""
+
+    def start(self) -> None:
+        """Refresh in the background from now on."""
+
+    async def stop(self) -> None:
+        """End the background refreshes and release what they hold."""
 
 
 def apply_answers(pools: Pools, sources: Sequence[Source], answers: Sequence[frozenset[str] | None],
