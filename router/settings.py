@@ -235,18 +235,21 @@ class Settings(BaseSettings):
     # InferencePool discovery (router.k8s): the Gateway API Inference Extension's pool of model servers, read from
     # the Kubernetes API; docs/DEPLOY.md, "Backends from the InferencePool".
     k8s_inference_pools: UrlList = Field(
-        default_factory=list, description="InferencePools whose ready pods are backends, each "
+        default_factory=list, json_schema_extra={"metavar": "[NS/]NAME[=POOL]"},
+        description="InferencePools whose ready pods are backends, each "
         "[NAMESPACE/]NAME[=POOL] (YAML: also {name, namespace, pool}); without =POOL each pod's k8s_pool_label "
         "names its pool (speculative or baseline)")
     k8s_namespace: str | None = Field(None, description="namespace of the k8s_inference_pools entries that name "
                                       "none (in a pod: the downward API's metadata.namespace)")
     k8s_pool_label: str = Field("app.kubernetes.io/component", description="pod label whose value (speculative "
                                 "or baseline) puts the pod in that pool, for an InferencePool given without =POOL")
-    k8s_api: str | None = Field(None, description="URL of the Kubernetes API (default in a pod: "
-                                "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)")
-    k8s_token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token", description="bearer "
+    k8s_api: str | None = Field(None, json_schema_extra={"metavar": "URL"}, description="URL of the Kubernetes "
+                                "API (default in a pod: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)")
+    k8s_token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token",
+                                json_schema_extra={"metavar": "FILE"}, description="bearer "
                                 "token for the Kubernetes API, re-read every round (none sent when absent)")
-    k8s_ca_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", description="CA bundle "
+    k8s_ca_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                             json_schema_extra={"metavar": "FILE"}, description="CA bundle "
                              "that signed the Kubernetes API's certificate (system CAs when absent)")
     k8s_interval: float = Field(5.0, gt=0, description="seconds between reads of the InferencePools and their "
                                 "pods")
