@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -97,8 +98,11 @@ class KubeApi:
                     body = await r.json(content_type=None)
                 except ValueError:
                     raise ApiError("bad_answer", f"GET {path}: not JSON") from None
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise ApiError("unreachable", f"GET {self.base}{path}: {type(exc).__name__} {exc}".rstrip()) from None
+        except TimeoutError as exc:  # aiohttp's connect timeout says which; the total one says nothing
+            raise ApiError("unreachable", f"GET {path}: {exc or f'no answer within {self.timeout.total:g} s'}"
+                           ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ApiError("unreachable", f"GET {path}: {_why(exc)}") from None
         if not isinstance(body, dict):
             raise ApiError("bad_answer", f"GET {path}: not a JSON object")
         return body
@@ -107,6 +111,16 @@ class KubeApi:
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+
+def _why(exc: BaseException) -> str:
+    # A refused or unresolvable address reads better as the OS's words than as aiohttp's whole sentence.
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"certificate not trusted ({exc.certificate_error})"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        err = exc.os_error  # errno > 0: an OS error ("Connection refused"); a resolver's (gaierror) is negative
+        return f"cannot connect: {os.strerror(err.errno) if (err.errno or 0) > 0 else err.strerror or err}"
+    return f"{type(exc).__name__} {exc}".rstrip()
 
 
 def _status_message(raw: bytes) -> str:
@@ -198,8 +212,12 @@ class InferencePoolDiscovery:
         except ApiError as exc:
             self.metrics.child(self.metrics.k8s_errors, ref.label, exc.reason).inc()
             if exc.reason != ref.state:
-                log.warning("InferencePool %s: %s; keeping %d known backend(s)", ref.label, exc,
-                            sum(len(s.members) for s in ref.sources.values()))
+                known = sum(len(s.members) for s in ref.sources.values())
+                # One line that names the API, the failure and what the pools do meanwhile (at start: nothing).
+                log.warning("cannot read InferencePool %s from the Kubernetes API at %s: %s; %s", ref.label,
+                            self.api.base, exc,
+                            f"keeping {known} known backend(s)" if known else
+                            f"no backends from it until a read succeeds (next in {self.settings.k8s_interval:g} s)")
             ref.state = exc.reason
             return None
         if ref.state != "ok":

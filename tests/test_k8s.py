@@ -3,6 +3,7 @@
 last known backends; the proxy and the picker both use it. Tested on these fixtures, not on a live cluster."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -11,6 +12,7 @@ import ssl
 import subprocess
 from pathlib import Path
 
+import aiohttp
 import jsonschema
 import kubernetes_validate
 import openai
@@ -22,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from router import exporter
 from router.__main__ import parse_command
 from router.app import build_discovery, build_pools
+from router.discovery import BackendDiscovery
 from router.k8s import ApiError, InferencePoolDiscovery, pod_address, pool_spec
 from router.metrics import Metrics
 from router.settings import ConfigError, load_settings
@@ -172,7 +175,7 @@ async def discovery_of():
         pools = build_pools(s)
         exporter.bind(metrics, pools)
         d = build_discovery(pools, s, metrics)
-        assert isinstance(d, InferencePoolDiscovery)
+        assert isinstance(d, InferencePoolDiscovery) and isinstance(d, BackendDiscovery)
         made.append(d)
         return d, registry
 
@@ -507,3 +510,75 @@ async def test_the_picker_routes_to_inference_pool_pods_through_envoy(fake_api, 
         assert await poll(lambda: spec.url not in pools.by_url, 5)
         assert await _backend_of(client) == base.url
     await poll(lambda: not any(stack.inflight().values()), 5, stack.inflight)
+
+
+def _down_at_start(caplog, api: FakeApi) -> None:
+    """What the start logged while the API refused connections: one warning per InferencePool naming the API and
+    the failure, and no traceback."""
+    warned = [r.getMessage() for r in caplog.records if r.name == "router.k8s" and r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned  # one per InferencePool, not one per retry
+    for name, line in zip(("spec-pool", "base-pool"), sorted(warned, reverse=True), strict=True):
+        assert line.startswith(f"cannot read InferencePool {NS}/{name} from the Kubernetes API at {api.url}: ")
+        assert "Connection refused" in line and "no backends from it until a read succeeds" in line, line
+        assert "\n" not in line
+    assert not [r for r in caplog.records if r.exc_info], "a refused API is no traceback"
+
+
+async def test_the_proxy_waits_for_an_api_down_at_start(fake_api, token_file, sim_factory, router_factory, caplog):
+    spec, base = await sim_factory("eagle3-tp8"), await sim_factory("baseline-tp8")
+    api = await fake_api()
+    entries = _one_pod_pools(api, spec.url, base.url)
+    await api.stop()  # its port now refuses connections
+    caplog.set_level(logging.INFO, logger="router.k8s")
+    router = await router_factory(**k8s_settings(api, token_file, entries=entries, k8s_interval=0.05))
+    pools = router.state.pools
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router.url + "/ready") as r:
+            body = await r.json()
+        assert r.status == 503 and pools.backends == [] and body["backends"] == {}
+        assert "no backend configured or discovered yet" in body["error"]["message"]
+        await asyncio.sleep(0.2)  # a few refused rounds: still one line per InferencePool
+        _down_at_start(caplog, api)
+        assert router.registry.get_sample_value("router_k8s_discovery_errors_total",
+                                                {"inference_pool": f"{NS}/spec-pool", "reason": "unreachable"}) > 2
+        await api.start()  # the API comes up on the same port
+        assert await poll(lambda: len(pools.backends) == 2 and all(b.healthy for b in pools.backends), 10,
+                          lambda: pools.backends)
+        async with http.get(router.url + "/ready") as r:
+            assert r.status == 200 and (await r.json())["backends"] == {spec.url: True, base.url: True}
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        assert await _backend_of(client) == spec.url
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+@need_epp
+async def test_the_picker_is_not_ready_until_an_api_down_at_start_answers(fake_api, token_file, sim_factory,
+                                                                          epp_factory, caplog):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spec, base = await sim_factory("eagle3-tp8"), await sim_factory("baseline-tp8")
+    api = await fake_api()
+    entries = _one_pod_pools(api, spec.url, base.url)
+    await api.stop()
+    caplog.set_level(logging.INFO, logger="router.k8s")
+    stack = await epp_factory(envoy=False, **k8s_settings(api, token_file, entries=entries, k8s_interval=0.05))
+    pools = stack.epp.pools
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.epp_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def readiness() -> int:
+            return (await stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)).status
+
+        await asyncio.sleep(0.2)  # the first health round is over (epp_factory waited) and more refused reads
+        assert pools.backends == [] and await readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
+        _down_at_start(caplog, api)
+        await api.start()
+        assert await poll(lambda: len(pools.backends) == 2, 10, lambda: pools.backends)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while await readiness() != health_pb2.HealthCheckResponse.SERVING:
+            assert loop.time() < deadline, "the picker never turned ready"
+            await asyncio.sleep(0.05)
+    assert all(b.healthy for b in pools.backends), "a joined backend was probed before readiness"
+    assert not [r for r in caplog.records if r.exc_info]

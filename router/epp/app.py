@@ -70,6 +70,7 @@ class Epp:
         self.learner = Learner(self.pools)
         self.discovery = build_discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
         self._ready_task: asyncio.Task | None = None
+        self.is_ready = False  # the gRPC readiness service says SERVING
         # load_signal backend, as in serve: each backend's own running + waiting figures (other pickers' and
         # routers' requests included), polled through a client of the picker's own (it proxies nothing).
         self.load_client: Client | None = None
@@ -133,16 +134,27 @@ class Epp:
         # A newcomer carries no traffic until a probe passes: probe it now rather than at the next round.
         if self.health_checker.client is not None:
             await self.health_checker.probe(b)
+        await self._maybe_ready()
 
     async def _ready(self) -> None:
         # Ready once every backend was probed once: the picker's view of the pools is synced then.
         await self.health_checker.first_round.wait()
+        await self._maybe_ready()
+
+    async def _maybe_ready(self) -> None:
+        # With no backend yet (discovery found none: its API unreachable at start, a pool at zero) there is
+        # nothing to pick: not ready until one has joined and been probed (_probe_new calls this again).
+        if self.is_ready or self.server is None or not self.health_checker.first_round.is_set() \
+                or not self.pools.backends:
+            return
+        self.is_ready = True
         await set_health(self.health, ready=True)
 
     async def stop(self) -> None:
         if self.server is None:
             return
         server, self.server = self.server, None
+        self.is_ready = False
         await set_health(self.health, ready=False)
         # grace: open streams may finish; then they are cancelled and their leases end (Processor.Process).
         await server.stop(grace=self.settings.drain_timeout)
