@@ -369,7 +369,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     # A request with targets is prefixed too without prefix routing: its prompt's prefill is part of its TTFT.
     prompt = (prompt_of(head.messages, head.prompt, st.settings.prefix_block_bytes)
               if st.pools.affinity or targets is not None else None)
-    got = st.pools.choose(pinned, prompt, None, targets)
+    got = st.pools.place(pinned, prompt) if targets is None else st.pools.choose(pinned, prompt, None, targets)
     if got is None:
         raise no_backend(st.pools.backends)
     if isinstance(got, Shed):
@@ -379,7 +379,7 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
             f"no backend can meet the latency targets now (predicted TTFT {got.forecast.ttft_s * 1000:.0f} ms, "
             f"TPOT {got.forecast.tpot_s * 1000:.1f} ms at best); retry after {got.retry_after_s} s",
             retry_after_s=got.retry_after_s), predicted_headers(got.forecast))
-    lease, decision, placement, forecast = got
+    lease, decision, placement, forecast = got if len(got) == 4 else (*got, None)
     st.metrics.decided(decision, placement)
     ex = Exchange(st, request, lease, placement, targets, forecast)
     try:

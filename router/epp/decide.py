@@ -200,7 +200,7 @@ class Decider:
                 return Overloaded(f"every backend holds {self.max_per_backend} requests "
                                   "(max_connections_per_backend); retry later")
             only = Eligible(frozenset(b.url for b in room))
-        got = pools.choose(pinned, prompt, only, targets)
+        got = pools.place(pinned, prompt, only) if targets is None else pools.choose(pinned, prompt, only, targets)
         if got is None:
             return no_backend(pools.backends)
         if isinstance(got, Shed):
@@ -210,7 +210,7 @@ class Decider:
             return TargetsUnmet(f"no endpoint can meet the latency targets now (predicted TTFT "
                                 f"{got.forecast.ttft_s * 1000:.0f} ms, TPOT {got.forecast.tpot_s * 1000:.1f} ms at "
                                 f"best); retry after {got.retry_after_s} s", retry_after_s=got.retry_after_s)
-        lease, decision, placement, forecast = got
+        lease, decision, placement, forecast = got if len(got) == 4 else (*got, None)
         self._count(decision, placement)
         first = lease.backend
         # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded first.
