@@ -180,9 +180,10 @@ class Exchange:
     def _retry(self) -> bool:
         """Another backend takes the request: the failed attempt's answer and lease end (its failure was reported
         as an attempt; nothing finished there)."""
-        new = self.st.pools.acquire_retry(self.lease.backend, self.placement, self.lease.tpot_target)
+        new = self.st.pools.acquire_retry(self.lease.backend, self.placement)
         if new is None:
             return False
+        new.hold_target(self.lease.tpot_target)
         self.end_reply()
         self.lease.finish(None)
         self.lease = new

@@ -361,17 +361,16 @@ class Pools:
             lease.hold_target(targets.tpot_s)
         return lease, d, placement, got.forecast
 
-    def acquire_retry(self, failed: Backend, placement: Placement | None = None,
-                      tpot_s: float | None = None) -> Lease | None:
-        """A lease on another backend for a retry; `tpot_s`: the request's TPOT target, held on it as on the
-        first."""
+    def acquire_retry(self, failed: Backend, placement: Placement | None = None) -> Lease | None:
+        """A lease on another backend for a retry (the caller holds the request's TPOT target on it,
+        Lease.hold_target, as on the first)."""
         target = retry_target(self.view, failed.url, failed.pool, self.rng)
         if target is None:
             return None
         tokens = 0
         if placement is not None and self.affinity is not None:
             tokens = self.affinity.sent(target, placement)
-        return target.lease(tokens).hold_target(tpot_s)
+        return target.lease(tokens)
 
     # ---- the learning seam: the proxy reports here; outlier detection and learned policies listen.
     def report_attempt(self, backend: Backend, attempt: Attempt) -> None:

@@ -206,7 +206,7 @@ def test_a_lease_holds_its_tpot_target_on_the_backend_until_released_and_a_retry
     assert d.url == "s" and f.tpot_s == pytest.approx(0.008) and lease.tpot_target == 0.011
     second, *_ = ps.choose(targets=Targets(tpot_s=0.0105))
     assert second.backend is s and s.tpot_bound_s == 0.0105
-    retry = ps.acquire_retry(s, None, second.tpot_target)
+    retry = ps.acquire_retry(s, None).hold_target(second.tpot_target)
     second.finish(None)
     assert retry.backend.url == "b" and retry.backend.tpot_bound_s == 0.0105 and s.tpot_bound_s == 0.011
     retry.release()

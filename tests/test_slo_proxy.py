@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.fixtures_router import sim_stats
+from tests.fixtures_router import set_faults, sim_stats
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -178,3 +178,25 @@ async def test_configured_tiers_replace_the_default_mapping(sim_factory, router_
             await c.chat.completions.create(**CHAT, service_tier="priority")  # not configured here
     await router.wait_idle()
     assert router.metric("router_route_decisions_total", pool=raw.headers["x-router-pool"], reason="slo_met") == 1
+
+
+async def test_a_retried_targeted_request_holds_its_target_on_the_backend_that_answers(sim_factory, router_factory):
+    spec, base, router = await two(sim_factory, router_factory)
+    await set_faults(spec.url, error_rate=1.0, error_status=503)
+    bounds = []
+    pools = router.state.pools
+    retry = pools.acquire_retry
+
+    def recording(failed, placement=None):
+        got = retry(failed, placement)
+        bounds.append(failed.tpot_bound_s)  # the failed attempt's lease still holds the target here
+        return got
+
+    pools.acquire_retry = recording
+    async with client(router) as c:
+        raw = await c.chat.completions.with_raw_response.create(
+            **CHAT, extra_headers={"x-slo-tpot-ms": "5000", "X-Router-Pool": "speculative"})
+        assert raw.headers["x-router-backend"] == base.url and "x-router-predicted-tpot-ms" in raw.headers
+    assert bounds == [5.0]
+    await router.wait_idle()
+    assert all(b.tpot_bound_s is None for b in pools.backends)
