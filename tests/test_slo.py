@@ -175,6 +175,8 @@ def test_requests_without_targets_are_decided_as_without_the_predictor():
         a = with_lat.decide(with_lat.snapshot(bs), random.Random(1))
         b = without.decide(without.snapshot(bs), random.Random(1))
         assert (a.decision.url, a.decision.reason, a.forecast) == (b.decision.url, b.decision.reason, None)
+        none = with_lat.decide(with_lat.snapshot(bs, None, None, Targets()), random.Random(1))  # targets of nothing
+        assert (none.decision.url, none.decision.reason, none.forecast) == (b.decision.url, b.decision.reason, None)
 
 
 def test_targeted_requests_prefer_an_endpoint_they_do_not_push_past_anothers_target():

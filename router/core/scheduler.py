@@ -40,7 +40,8 @@ class Scheduler:
         for f in (self.filters if only is None else (only, *self.filters)):
             snap = f.filter(snap)
         if self.latency is not None:
-            if snap.targets is not None:
+            t = snap.targets
+            if t is not None and (t.ttft_s is not None or t.tpot_s is not None):
                 got = self.latency.choose(snap, self.policy, rng, self.prefix)
                 if isinstance(got, Choice):
                     d = got.decision
