@@ -101,7 +101,7 @@ class SloTier(BaseModel):
     it (None: no target of that kind), and whether a request of the tier is shed (429) when no backend can meet
     them (else it goes where it misses least)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     ttft_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)

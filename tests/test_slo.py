@@ -286,3 +286,21 @@ def test_an_unknown_tier_is_a_400_on_service_tier(tier):
     body = err.value.body()["error"]
     assert body["param"] == "service_tier" and body["code"] == "invalid_service_tier"
     assert body["type"] == "invalid_request_error"
+
+
+def test_tiers_come_from_yaml_env_or_flag_and_a_bad_one_is_one_line(tmp_path):
+    from router.settings import ConfigError, load_settings
+
+    path = tmp_path / "router.yaml"
+    path.write_text("speculative: [http://127.0.0.1:1]\nslo_tiers:\n  gold: {ttft_ms: 300, tpot_ms: 12}\n"
+                    "  bronze: {sheddable: true}\n")
+    s = load_settings(str(path), environ={})
+    assert s.slo_tiers == {"gold": SloTier(ttft_ms=300, tpot_ms=12), "bronze": SloTier(sheddable=True)}
+    env = load_settings(None, {"speculative": "http://127.0.0.1:1"},
+                        environ={"ROUTER_SLO_TIERS": '{"gold": {"tpot_ms": 9}}'})
+    assert env.slo_tiers == {"gold": SloTier(tpot_ms=9)}
+    assert load_settings(None, {"speculative": "http://127.0.0.1:1"}, environ={}).slo_tiers == DEFAULT_SLO_TIERS
+    for bad in ('{"gold": {"tpot_ms": 0}}', '{"gold": {"latency": 3}}', "{gold", '{"gold": {"ttft_ms": "NaN"}}'):
+        with pytest.raises(ConfigError) as err:
+            load_settings(None, {"speculative": "http://127.0.0.1:1", "slo_tiers": bad}, environ={})
+        assert "slo_tiers" in str(err.value) and "\n" not in str(err.value)
