@@ -357,7 +357,9 @@ class Pools:
         d, placement = got.decision, got.placement
         tokens = 0 if placement is None or self.affinity is None else self.affinity.sent(d.backend, placement)
         lease = d.backend.lease(tokens)
-        if targets is not None:
+        if targets is not None and got.forecast is not None and got.forecast.met:
+            # Only a target it is predicted to meet holds others off: one it misses anyway (an impossible number,
+            # a least miss) would reserve the backend for nothing.
             lease.hold_target(targets.tpot_s)
         return lease, d, placement, got.forecast
 

@@ -232,6 +232,16 @@ def test_requests_without_targets_keep_off_a_backend_they_would_push_past_its_ta
     again.release()
 
 
+def test_a_target_missed_anyway_holds_no_backend_off():
+    ps = pools()
+    missed, d, _, f = ps.choose(targets=Targets(tpot_s=0.000001))  # priority, least miss: nowhere can meet it
+    assert not f.met and missed.tpot_target is None and ps.by_url[d.url].tpot_bound_s is None
+    lease, d2, _ = ps.place()
+    assert d2.url == "s"  # spillover, as without it
+    lease.release()
+    missed.release()
+
+
 def test_keeping_off_leaves_nothing_then_routed_as_today():
     ps = pools()
     ps.by_url["b"].healthy = False
