@@ -1,5 +1,5 @@
 """The router's own headers, read and written by both front ends (the proxy and the endpoint picker): the pool a
-request pins, and which pool and backend served it."""
+request pins, its latency targets, which pool and backend served it and the latency predicted there."""
 from __future__ import annotations
 
 from router.errors import BadRequest
