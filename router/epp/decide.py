@@ -96,6 +96,12 @@ class Pick:
         if not self._ended:
             self.lease.start()
 
+    def answering(self) -> None:
+        """The answer's headers came and no first token will be seen (the picker does not read the body): the
+        request runs from now and the prefill it queued is over."""
+        if not self._ended:
+            self.lease.prefilled()
+
     def chunk(self, data_events: int) -> None:
         """A streamed chunk came; the first one is the first token."""
         if self._ended:
