@@ -182,9 +182,10 @@ class Exchange:
         if isinstance(got, RouterError):
             return [immediate(got)]
         self.pick = got
+        # What the request's body told is read here, once: the open request keeps neither copy of its body.
+        head, got.head, self.body = got.head, None, bytearray()
         value = ",".join(got.endpoints)
         set_headers = [(DESTINATION, value)]
-        head = got.head
         if body and self.watch_body and head is not None and head.streamed and not head.wants_usage:
             # The usage chunk tells the tokens the lease ran for (as in serve); the client still gets none. Not
             # when the picker sees no response body: it could not take the chunk out.
