@@ -81,8 +81,9 @@ async def test_sdk_streamed_holds_the_lease_to_the_end_and_usage_is_the_clients_
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # The picker cannot take a usage chunk out of a body it does not see, so it asks for none.
     assert any(c.usage is not None for c in chunks) == usage
-    # Envoy keeps the ext_proc stream open until the HTTP stream ends: the lease is held throughout.
-    assert held and set(held) == {1}, held
+    # Envoy keeps the ext_proc stream open until the HTTP stream ends: the lease is held throughout (the last
+    # chunk's read may race the stream's end in this one event loop).
+    assert len(held) > 2 and set(held[:-1]) == {1}, held
     await poll(lambda: len(seen) == 1, 5, lambda: seen)
     assert stack.inflight()[spec.url] == 0
     (obs,) = seen
