@@ -220,3 +220,27 @@ async def test_stream_end_ends_the_lease_by_the_status(sim_factory, epp_factory,
         await poll(lambda: stack.inflight()[sim.url] == 0, 5, stack.inflight)
     await poll(lambda: not stack.epp.processor.open, 5)
     assert [o.ok for o in seen] == [ok]
+
+
+def test_the_headers_config_is_the_streaming_one_but_for_the_response_body():
+    # The two Envoy configs stay one config: only the response body mode differs, and response trailers stay SEND
+    # (with SKIP, Envoy closes the ext_proc stream at the response headers: the lease would end at the first byte).
+    import yaml
+
+    from tests.fixtures_epp import ENVOY_TEMPLATES
+
+    def load(mode):
+        text = ENVOY_TEMPLATES[mode].read_text().replace("${LISTEN_PORT}", "0").replace("${EPP_PORT}", "1")
+        return yaml.safe_load(text.replace("${EPP_HOST}", "127.0.0.1"))
+
+    def processing_mode(config):
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+        return ext_proc["typed_config"]["processing_mode"]
+
+    stream, none = load("stream"), load("none")
+    assert processing_mode(stream)["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert processing_mode(none) == {**processing_mode(stream), "response_body_mode": "NONE"}
+    assert processing_mode(none)["response_trailer_mode"] == "SEND"
+    processing_mode(none)["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+    assert none == stream
