@@ -267,6 +267,13 @@ class Settings(BaseSettings):
     epp_endpoints: int = Field(1, ge=1, le=8, description="spec-router epp: endpoints named per request, the "
                                "picked one first, then fallbacks in retry order (Envoy's ORIGINAL_DST cluster "
                                "reads one)")
+    epp_response_body: Literal["stream", "none"] = Field(
+        "stream", description="spec-router epp: what it reads of each response. stream: every body chunk, full "
+        "duplex (deploy/envoy/envoy.yaml): first token, usage and [DONE] feed the learned speeds; it costs a gRPC "
+        "round trip through the picker per chunk. none: the response headers and the end of the ext_proc stream "
+        "only (deploy/envoy/envoy-headers.yaml): 2 messages fewer per request, but no time to first token and no "
+        "token counts, so the adaptive policy's speeds and the prefill figures stay unlearned, and a stream cut "
+        "mid-way ends as a success. Envoy's own report of its body mode wins over this (docs/DEPLOY.md)")
 
     # InferencePool discovery (router.k8s): the Gateway API Inference Extension's pool of model servers, read from
     # the Kubernetes API; docs/DEPLOY.md, "Backends from the InferencePool".

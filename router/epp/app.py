@@ -79,7 +79,7 @@ class Epp:
 
     async def start(self) -> int:
         s = self.settings
-        self.server, self.processor, self.health = build_server(self.decider, s.max_body_bytes)
+        self.server, self.processor, self.health = build_server(self.decider, s.max_body_bytes, s.epp_response_body)
         _check_free(s.host, s.epp_port)
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = self.server.add_insecure_port(f"{host}:{s.epp_port}")
