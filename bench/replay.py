@@ -542,7 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"Default with --class-mix default: {classmix.DEFAULT_MIX}; interactive targets TTFT "
         f"{classmix.DEFAULT_TARGETS['interactive'][0]:g} ms and TPOT {classmix.DEFAULT_TARGETS['interactive'][1]:g} ms "
         f"(sent as {classmix.TTFT_HEADER} / {classmix.TPOT_HEADER}), default: no target and nothing sent, flex: "
-        "service_tier 'flex' in the body, no target (completion counts, a 429 is counted apart as shed).")
+        f"service_tier 'flex' in the body and targets TTFT "
+        f"{classmix.DEFAULT_TARGETS['flex'][0]:g} ms and TPOT {classmix.DEFAULT_TARGETS['flex'][1]:g} ms (the "
+        "router's default flex tier) in the headers; a 429 is counted apart as shed, not as a failure.")
     m.add_argument("--class-mix", metavar="CLASS=SHARE,...",
                    help="shares of the conversations per class, adding up to 1 ('default': the default mix above)")
     m.add_argument("--class-targets", action="append", default=[], metavar="CLASS=ttft:MS,tpot:MS",

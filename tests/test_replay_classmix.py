@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 
 INTERACTIVE = classmix.RequestClass("interactive", 0.3, 5000.0, 30.0)
 DEFAULT = classmix.RequestClass("default", 0.5)
-FLEX = classmix.RequestClass("flex", 0.2, tier="flex")
+FLEX = classmix.RequestClass("flex", 0.2, 30000.0, 100.0, tier="flex")
 
 
 # ---- flags ----------------------------------------------------------------------------------------
@@ -27,7 +27,9 @@ def test_the_default_mix_is_the_documented_one():
     assert classes == [INTERACTIVE, DEFAULT, FLEX]
     assert INTERACTIVE.headers(True) == {"x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "30"}
     assert DEFAULT.headers(True) == {} and DEFAULT.body(True) == {}
-    assert FLEX.body(True) == {"service_tier": "flex"} and FLEX.headers(True) == {}
+    # flex: the router's default flex tier and its numbers (headers override a tier's numbers there)
+    assert FLEX.body(True) == {"service_tier": "flex"}
+    assert FLEX.headers(True) == {"x-slo-ttft-ms": "30000", "x-slo-tpot-ms": "100"}
     # --no-send-targets: the same classes, nothing sent
     assert INTERACTIVE.headers(False) == {} and FLEX.body(False) == {}
 
@@ -38,7 +40,7 @@ def test_targets_and_tiers_override_the_defaults():
     assert classes == [classmix.RequestClass("interactive", 0.5, None, 50.0, "priority"),
                        classmix.RequestClass("batch", 0.5, 60000.0, None)]
     assert classmix.build("interactive=1", ["interactive=none"]) == [classmix.RequestClass("interactive", 1.0)]
-    assert classmix.build("flex=1", tiers=["flex=none"]) == [classmix.RequestClass("flex", 1.0)]
+    assert classmix.build("flex=1", tiers=["flex=none"]) == [classmix.RequestClass("flex", 1.0, 30000.0, 100.0)]
 
 
 @pytest.mark.parametrize("mix, targets, tiers, says", [
@@ -119,14 +121,15 @@ def test_each_class_is_judged_against_its_own_targets():
         (rec(9.0, 20.0, 11), "default"),  # no targets: completion counts
         (rec(None, 0.01, 0, "HTTP 429: shed"), "flex"),  # shed: not a failure, not in the attainment
         (rec(None, 0.01, 0, "HTTP 429: shed"), "flex"),
-        (rec(9.0, 20.0, 11), "flex"),
+        (rec(0.5, 0.5 + 0.009 * 10, 11), "flex"),  # TTFT 5 s, TPOT 90 ms: met
+        (rec(3.1, 3.2, 11), "flex"),  # TTFT 31 s: missed
     ]
     got = classmix.score(records, [INTERACTIVE, DEFAULT, FLEX], speedup=10, duration_s=10.0)
     i, d, f = (got["classes"][n] for n in ("interactive", "default", "flex"))
     assert (i["requests"], i["good"], i["failed"], i["shed"], i["completed"]) == (5, 2, 1, 0, 4)
     assert i["attainment"] == pytest.approx(2 / 5) and i["goodput"] == pytest.approx(0.2)
     assert (d["good"], d["attainment"]) == (1, 1.0)
-    assert (f["requests"], f["shed"], f["failed"], f["good"], f["attainment"]) == (3, 2, 0, 1, 1.0)
+    assert (f["requests"], f["shed"], f["failed"], f["good"], f["attainment"]) == (4, 2, 0, 1, 0.5)
     assert got["good"] == 4 and got["shed"] == 2 and got["goodput"] == pytest.approx(0.4)
     assert i["ttft_ms"]["p50"] == pytest.approx(2500.0)  # of 4000, 6000, 1000, 1000
     assert i["tpot_ms"]["p90"] == pytest.approx(37.0)  # of 25, 25, 40 (the one-token answer has none)
@@ -170,8 +173,9 @@ async def test_each_class_sends_its_targets_and_429s_are_shed(raw_backend_factor
     tiers = [json.loads(r.body).get("service_tier") for r in chats]
     slo = sum("x-slo-ttft-ms" in h for h in headers)
     if send:
-        assert slo == expected["interactive"] > 0 and tiers.count("flex") == expected["flex"] > 0
-        assert all(h["x-slo-tpot-ms"] == "30" for h in headers if "x-slo-ttft-ms" in h)
+        assert slo == expected["interactive"] + expected["flex"] and expected["interactive"] > 0 and tiers.count("flex") == expected["flex"] > 0
+        assert sorted(h["x-slo-tpot-ms"] for h in headers if "x-slo-ttft-ms" in h) == sorted(
+            ["30"] * expected["interactive"] + ["100"] * expected["flex"])
     else:
         assert slo == 0 and tiers.count(None) == 40
     fig = json.loads((out / "replay.json").read_text())["results"]["raw"][0]
