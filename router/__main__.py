@@ -100,7 +100,9 @@ def _add_settings(serve: argparse.ArgumentParser) -> None:
         else:
             default = field.default
             shown = "unset" if default is None else ("***" if "key" in name else default)
-            serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description} (default: {shown})")
+            # A default built per instance (a mapping) is spelled out in the description itself.
+            tail = "" if field.default_factory is not None else f" (default: {shown})"
+            serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description}{tail}")
     for old in OLD_NAMES:  # still taken, not listed: --help shows the new name
         serve.add_argument("--" + old.replace("_", "-"), dest=old, help=argparse.SUPPRESS)
     serve.set_defaults(**{name: None for name in (*Settings.model_fields, *OLD_NAMES)})

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 REASONS = (AFFINITY, LOAD_OVERRIDE, NO_MATCH, SINGLE, POOL_KEPT, POOL_MOVED, NO_TEXT, IMAGE, TOKEN_IDS)
 LOST_POLLS = 3  # polls in a row with cache_hit_rate 0, after it was above 0, that mean the cache was lost
-MAX_LOAD_TERM_S = 3600.0  # the load term's cap: a queue beyond it says nothing more about the prefix
 
 
 class Affinity:
@@ -70,22 +69,17 @@ class Affinity:
         k = self.block_bytes / fig.bytes_per_token  # tokens per block
         held = min(ptok, int(max(depths) * k))
         c = fig.costs(cands[0].pool)
-        p, w, slot_s = c.ttft_s_per_token, c.wait_s, c.tpot_s * fig.output_tokens
+        p = c.ttft_s_per_token
         scored = []
         for b, d in zip(cands, depths, strict=True):
             # Expected TTFT: the prefill queued there (the uncached prompt tokens of this router's requests with
             # no first token yet, counted by their leases, router.pools) and a small cost per request it runs,
-            # a queue for a slot beyond max_running (a slot frees every request time / limit), then the prefill
-            # of what it does not hold. Plus a copy of what another instance holds priced twice: prefilled now,
-            # and stored in place of as many cached tokens of other conversations there (a full cache evicts
-            # them: their next turn re-prefills).
-            load = b.load_estimate
-            wait = w * load + p * getattr(b, "pending_tokens", 0)
-            limit = fig.limit(b.url)
-            if limit is not None and load >= limit:
-                wait += (load - limit + 1) * slot_s / limit
+            # a queue for a slot beyond max_running (Figures.queued_s), then the prefill of what it does not
+            # hold. Plus a copy of what another instance holds priced twice: prefilled now, and stored in place
+            # of as many cached tokens of other conversations there (a full cache evicts them: their next turn
+            # re-prefills).
             have = int(d * k)
-            scored.append(Scored(b, min(wait, MAX_LOAD_TERM_S) + p * (max(0, ptok - have) + max(0, held - have)), d))
+            scored.append(Scored(b, fig.queued_s(b) + p * (max(0, ptok - have) + max(0, held - have)), d))
         return PoolScores(cands[0].pool, tuple(scored), fig.output_tokens * c.tpot_s, c.ttft_s_per_token)
 
     def score(self, snap: Snapshot, proposal: Decision) -> Scores:

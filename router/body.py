@@ -20,6 +20,7 @@ class Head(msgspec.Struct):
     # The prompt's own bytes, not parsed (router.prefix hashes them): views into the body, no copy.
     messages: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    service_tier: Any = msgspec.UNSET  # OpenAI's latency tier (router.slo maps it to targets)
 
     @property
     def streamed(self) -> bool:
@@ -52,7 +53,8 @@ def parse_head(body: bytes) -> Head:
         raise BadRequest("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return Head(obj.get("stream", msgspec.UNSET), obj.get("stream_options", msgspec.UNSET))
+    return Head(obj.get("stream", msgspec.UNSET), obj.get("stream_options", msgspec.UNSET),
+                service_tier=obj.get("service_tier", msgspec.UNSET))
 
 
 async def read_body(request: web.Request, limit: int, within: float | None = None) -> tuple[bytes, Head]:

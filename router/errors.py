@@ -17,15 +17,22 @@ class RouterError(Exception):
     status = 500
     type = "internal_error"
     code = "internal_error"
+    param: str | None = None  # the request parameter at fault (OpenAI's `param`), shown when set
+    retry_after_s: int | None = None  # a shed request's Retry-After, seconds (429s)
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        if param is not None:
+            self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        err = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            err["param"] = self.param
+        return {"error": err}
 
 
 class BadRequest(RouterError):
@@ -58,6 +65,17 @@ class ExpectationFailed(RouterError):
 
 class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class TargetsUnmet(RouterError):
+    """A sheddable request (service tier `flex`, or any tier marked sheddable) whose latency targets no backend can
+    meet now: 429 with Retry-After (the predicted wait, router.core.latency), the client's cue to come back."""
+
+    status, type, code = 429, "rate_limit_error", "latency_targets_unmet"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NoHealthyBackend(RouterError):
@@ -155,6 +173,8 @@ class UpstreamTimeout(UpstreamError):
 
 
 def error_response(err: RouterError, headers: dict[str, str] | None = None) -> web.Response:
+    if err.retry_after_s is not None:
+        headers = {**(headers or {}), "Retry-After": str(err.retry_after_s)}
     resp = web.Response(status=err.status, text=json.dumps(err.body()), content_type="application/json",
                         headers=headers)
     if err.status in (408, 413):

@@ -7,10 +7,12 @@ import time
 from aiohttp import hdrs, web
 
 from router.body import read_body, with_usage
+from router.core.latency import Shed
 from router.errors import (
     Failure,
     RouterError,
     ShuttingDown,
+    TargetsUnmet,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamTimeout,
@@ -18,12 +20,20 @@ from router.errors import (
     sse_error_event,
     status_kind,
 )
-from router.headers import BACKEND_HEADER, POOL_HEADER, pinned_pool
+from router.headers import (
+    BACKEND_HEADER,
+    POOL_HEADER,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    pinned_pool,
+    predicted_headers,
+)
 from router.health import no_backend
 from router.observe import OK, Attempt, Observation
 from router.policy import RETRY
 from router.pools import Lease
 from router.prefix import prompt_of
+from router.slo import targets_of, tier_label
 from router.state import STATE, RouterState
 from router.streaming import Usage, scan_usage, split_events, usage_view
 from router.upstream import FIRST_BYTE, IDLE, Reply
@@ -49,10 +59,16 @@ class Exchange:
     end_upstream) and records its metrics once at the end (finish)."""
 
     __slots__ = ("st", "request", "lease", "code", "t0", "usage", "upstream", "task", "inflight_at_start", "ttft",
-                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "placement", "streamed")
+                 "chunks", "data_events", "cut", "first", "delivered", "watchdog", "placement", "streamed",
+                 "targets", "forecast")
 
-    def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None) -> None:
+    def __init__(self, st: RouterState, request: web.Request, lease: Lease, placement=None, targets=None,
+                 forecast=None) -> None:
         self.st = st
+        # The request's latency targets (router.core.latency.Targets) and the chosen backend's predicted latency
+        # (Forecast); None for a request without targets.
+        self.targets = targets
+        self.forecast = forecast
         self.placement = placement  # router.affinity.Placement, None when prefix routing is off
         self.request = request
         self.lease = lease
@@ -93,7 +109,10 @@ class Exchange:
         return self.lease.backend.pool
 
     def headers(self) -> dict[str, str]:
-        return {POOL_HEADER: self.lease.backend.pool, BACKEND_HEADER: self.lease.backend.url}
+        out = {POOL_HEADER: self.lease.backend.pool, BACKEND_HEADER: self.lease.backend.url}
+        if self.forecast is not None:
+            out.update(predicted_headers(self.forecast))
+        return out
 
     def upstream_failed(self, err: UpstreamError) -> None:
         m = self.st.metrics
@@ -164,6 +183,7 @@ class Exchange:
         new = self.st.pools.acquire_retry(self.lease.backend, self.placement)
         if new is None:
             return False
+        new.hold_target(self.lease.tpot_target)
         self.end_reply()
         self.lease.finish(None)
         self.lease = new
@@ -275,16 +295,18 @@ class Exchange:
         u = self.usage
         # What ran beside it, and its wait for a place, are read at its first token: a stream's only.
         streamed = self.ttft is not None
+        obs = Observation(
+            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
+            u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
+            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
+            running_beside=lease.beside if streamed else None,
+            waited_s=lease.waited if streamed else None)  # cached: None until a usage came
         try:
-            lease.finish(Observation(
-                b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-                u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
-                u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-                running_beside=lease.beside if streamed else None,
-                waited_s=lease.waited if streamed else None),  # cached: None until a usage came
-                self.st.pools, self.placement)
+            lease.finish(obs, self.st.pools, self.placement)
         finally:
             self.end_reply()
+        if self.targets is not None and self.forecast is not None:
+            self.st.metrics.slo_done(tier_label(self.targets), self.targets, self.forecast, obs)
 
     def end_reply(self) -> None:
         """The answer's connection back for reuse when complete, else dropped (router.upstream.Reply.end)."""
@@ -343,13 +365,24 @@ async def proxy(request: web.Request, path: str) -> web.StreamResponse:
     client_wants_usage = head.wants_usage
     if stream and not client_wants_usage:
         body = with_usage(body, head)
-    prompt = prompt_of(head.messages, head.prompt, st.settings.prefix_block_bytes) if st.pools.affinity else None
-    got = st.pools.place(pinned, prompt)
+    targets = targets_of(request.headers.get(SLO_TTFT_HEADER), request.headers.get(SLO_TPOT_HEADER),
+                         head.service_tier, st.settings.slo_tiers)
+    # A request with targets is prefixed too without prefix routing: its prompt's prefill is part of its TTFT.
+    prompt = (prompt_of(head.messages, head.prompt, st.settings.prefix_block_bytes)
+              if st.pools.affinity or targets is not None else None)
+    got = st.pools.place(pinned, prompt) if targets is None else st.pools.choose(pinned, prompt, None, targets)
     if got is None:
         raise no_backend(st.pools.backends)
-    lease, decision, placement = got
+    if isinstance(got, Shed):
+        assert targets is not None
+        st.metrics.slo_shed(tier_label(targets))
+        return error_response(TargetsUnmet(
+            f"no backend can meet the latency targets now (predicted TTFT {got.forecast.ttft_s * 1000:.0f} ms, "
+            f"TPOT {got.forecast.tpot_s * 1000:.1f} ms at best); retry after {got.retry_after_s} s",
+            retry_after_s=got.retry_after_s), predicted_headers(got.forecast))
+    lease, decision, placement, forecast = got if len(got) == 4 else (*got, None)
     st.metrics.decided(decision, placement)
-    ex = Exchange(st, request, lease, placement)
+    ex = Exchange(st, request, lease, placement, targets, forecast)
     try:
         with FirstByteDeadline(st.settings.first_byte_timeout, ex.first_byte_timeout):
             resp, first, out = await ex.start(path, body, stream)

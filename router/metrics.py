@@ -11,6 +11,11 @@ from router.policy import POOLS
 # Latency buckets span a fast proxy hop to a long generation.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# Predicted over measured latency: 1 is exact; the buckets are symmetric in log around it.
+_RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
+# Latency targets (router.slo): per kind, and the outcome of a request that had targets.
+SLO_KINDS = ("ttft", "tpot")
+MET, MISSED, SHED, UNMEASURED = "met", "missed", "shed", "unmeasured"
 
 
 class Metrics:
@@ -85,6 +90,16 @@ class Metrics:
             ["pool"], registry=registry)
         self.prefix_blocks = Gauge("router_prefix_index_blocks", "Prompt blocks the router's prefix index "
                                    "holds for a backend", ["pool", "backend"], registry=registry)
+        # Latency targets (router.slo, router.core.latency): label values are the configured tiers and "none".
+        self.slo_requests = Counter("router_slo_requests_total",
+                                    "Requests with latency targets by tier and outcome: met (every target measured "
+                                    "met), missed, shed (429), unmeasured (no target could be measured)",
+                                    ["tier", "result"], registry=registry)
+        self.slo_targets = Counter("router_slo_targets_total", "Latency targets measured met or missed, by tier and "
+                                   "kind (ttft, tpot)", ["tier", "kind", "result"], registry=registry)
+        self.slo_prediction = Histogram("router_slo_prediction_ratio", "Predicted over measured latency of requests "
+                                        "with targets, by kind (ttft, tpot) and pool: drift shows as a move off 1",
+                                        ["kind", "pool"], buckets=_RATIO, registry=registry)
         # A learning policy's model per pool, read from Policy.state() once per scrape.
         self.policy_gauges = PolicyGauges(registry)
         # Children the hot path touches per chunk, looked up once (labels() takes a lock and builds a key).
@@ -109,6 +124,36 @@ class Metrics:
             if placement.prompt.hashed:
                 self.child(self.prefix_prompt_tokens, decision.pool).inc(placement.prompt_tokens)
                 self.child(self.prefix_expected_cached, decision.pool).inc(placement.expected_cached)
+
+
+    def slo_shed(self, tier: str) -> None:
+        self.child(self.slo_requests, tier, SHED).inc()
+
+    def slo_done(self, tier: str, targets, forecast, obs) -> None:
+        """A request with `targets` (router.core.latency.Targets) ended on a backend predicted at `forecast`
+        (Forecast) with `obs` (router.observe.Observation): each target measured met or missed, the prediction
+        against the measurement; once per request (the exchange's last lease). Not finished (an error, the
+        client gone): not counted."""
+        if not obs.ok:
+            return
+        measured: dict[str, float | None] = {"ttft": obs.ttft_s, "tpot": None}
+        tokens = obs.tokens()
+        if obs.ttft_s is not None and tokens is not None and tokens > 1 and obs.duration_s > obs.ttft_s:
+            measured["tpot"] = (obs.duration_s - obs.ttft_s) / (tokens - 1)
+        wanted = {"ttft": targets.ttft_s, "tpot": targets.tpot_s}
+        predicted = {"ttft": forecast.ttft_s, "tpot": forecast.tpot_s}
+        outcome = None
+        for kind in SLO_KINDS:
+            got = measured[kind]
+            if got is None or got <= 0:
+                continue
+            self.child(self.slo_prediction, kind, obs.pool).observe(predicted[kind] / got)
+            if wanted[kind] is None:
+                continue
+            ok = got <= wanted[kind]
+            self.child(self.slo_targets, tier, kind, MET if ok else MISSED).inc()
+            outcome = MISSED if not ok or outcome == MISSED else MET
+        self.child(self.slo_requests, tier, outcome or UNMEASURED).inc()
 
 
 # The gauges a learning policy exports per pool: name, help, and the key of its state()["pools"][pool] they read.

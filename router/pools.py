@@ -11,12 +11,13 @@ from dataclasses import replace
 from router import outlier
 from router.affinity import Affinity
 from router.core.figures import Figures
+from router.core.latency import Latency, Shed, Targets
 from router.core.plugins import Filter, Placement
 from router.core.scheduler import Scheduler
 from router.observe import ATTEMPT_KINDS, LOCAL, OK, Attempt, LoadFigures, Observation
 from router.outlier import OutlierConfig, OutlierState
 from router.policy import BackendLoad, Decision, Policy, View, retry_target
-from router.prefix import Prompt
+from router.prefix import BLOCK_BYTES, Prompt
 
 log = logging.getLogger("router.pools")
 
@@ -50,7 +51,7 @@ class Backend:
 
     __slots__ = ("url", "pool", "api_key", "healthy", "ever_probed", "fails", "successes", "last_probe", "probe",
                  "_inflight", "_pending", "reported", "_inflight_at_report", "outlier", "outlier_cfg", "on_drained", "_area", "_area_at", "generation",
-                 "started", "last_release")
+                 "started", "last_release", "_bounds")
 
     def __init__(self, url: str, pool: str, api_key: str | None = None,
                  outlier_cfg: OutlierConfig | None = None) -> None:
@@ -85,6 +86,9 @@ class Backend:
         self.on_drained: Callable[[Backend], None] | None = None
         # Counts the times it went down: what it held before (its prefix cache) is not assumed after.
         self.generation = 0
+        # TPOT targets (seconds) of its leases with one -> how many: the tightest is what a request without targets
+        # must not push it past (router.core.latency). At most one entry per lease out: bounded.
+        self._bounds: dict[float, int] = {}
 
     @property
     def inflight(self) -> int:
@@ -93,6 +97,11 @@ class Backend:
     @property
     def pending_tokens(self) -> int:
         return self._pending
+
+    @property
+    def tpot_bound_s(self) -> float | None:
+        """The tightest TPOT target of the requests it runs now (None: none has one)."""
+        return min(self._bounds) if self._bounds else None
 
     @property
     def auth_headers(self) -> dict[str, str] | None:
@@ -184,12 +193,13 @@ class Lease:
     """One request's hold on one backend. It ends once, by finish() (or release(), which is finish without an
     observation); a second end does nothing, so counts cannot skew."""
 
-    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside", "waited")
+    __slots__ = ("backend", "_released", "_t0", "_area0", "_tokens", "beside", "waited", "_tpot")
 
     def __init__(self, backend: Backend, now: float, tokens: int = 0) -> None:
         self.backend = backend
         self._released = False
         self._tokens = tokens
+        self._tpot: float | None = None  # its request's TPOT target (seconds), counted on the backend until released
         self._t0, self._area0 = now, backend.area(now)
         # The backend's other started leases when this one started (None: not yet): for a stream, at its first
         # token, how many ran beside it then (router.queuelimit).
@@ -208,6 +218,18 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def tpot_target(self) -> float | None:
+        return self._tpot
+
+    def hold_target(self, tpot_s: float | None) -> Lease:
+        """Its request has this TPOT target: the backend counts it until the release (once; None: none)."""
+        if tpot_s is not None and self._tpot is None and not self._released:
+            self._tpot = tpot_s
+            bounds = self.backend._bounds
+            bounds[tpot_s] = bounds.get(tpot_s, 0) + 1
+        return self
 
     def prefilled(self) -> None:
         """The first token came: its uncached tokens are no longer prefill queued on the backend (once)."""
@@ -245,6 +267,13 @@ class Lease:
             self._released = True
             if self.beside is not None:
                 self.backend.started -= 1
+            if self._tpot is not None:
+                bounds = self.backend._bounds
+                left = bounds.get(self._tpot, 0) - 1
+                if left > 0:
+                    bounds[self._tpot] = left
+                else:
+                    bounds.pop(self._tpot, None)
             self.backend._release(self._tokens)
 
 
@@ -273,7 +302,9 @@ class Pools:
         # The learned per-backend figures (router.core.figures): one store, updated here once per event (report_done,
         # report_loads), read by the prefix scorer and by a policy that shares it (the adaptive policy).
         self.figures = affinity.figures if affinity is not None else Figures()
-        self.scheduler = Scheduler(policy, affinity)
+        # Latency targets (router.core.latency): predicted from the same figures the prefix scorer prices with.
+        self.latency = Latency(self.figures, affinity.block_bytes if affinity is not None else BLOCK_BYTES)
+        self.scheduler = Scheduler(policy, affinity, latency=self.latency)
         self._share_figures(policy)
         self.events: PoolEvents = PoolEvents()  # router.exporter replaces it to bind the metrics
         # Who runs what the policy's observe() left to learn(): router.learner's wake-up in a serving router;
@@ -305,20 +336,36 @@ class Pools:
         got = self.place(pinned)
         return None if got is None else got[:2]
 
-    def place(self, pinned: str | None = None, prompt: Prompt | None = None, only: Filter | None = None
-              ) -> tuple[Lease, Decision, Placement | None] | None:
+    def place(self, pinned: str | None = None, prompt: Prompt | None = None, only: Filter | None = None,
+              targets: Targets | None = None) -> tuple[Lease, Decision, Placement | None] | Shed | None:
         """acquire(), with the prompt weighed by the prefix scorer when prefix routing is on (router.core): one
         snapshot, one decision, then the lease, with no await in between. `only` narrows the endpoints first
-        (the endpoint picker's subset hint and per-backend cap)."""
+        (the endpoint picker's subset hint and per-backend cap). `targets`: the request's latency targets
+        (router.core.latency; `choose` also returns the prediction); Shed, and no lease, when none can meet them
+        and the request may be shed."""
+        got = self.choose(pinned, prompt, only, targets)
+        return got if got is None or isinstance(got, Shed) else got[:3]
+
+    def choose(self, pinned: str | None = None, prompt: Prompt | None = None, only: Filter | None = None,
+               targets: Targets | None = None):
+        """place(), returning (Lease, Decision, Placement | None, Forecast | None) | Shed | None: the forecast is
+        the chosen endpoint's predicted latency (requests with targets only)."""
         sched = self.scheduler
-        got = sched.decide(sched.snapshot(self.backends, pinned, prompt), self.rng, only)
-        if got is None:
-            return None
+        got = sched.decide(sched.snapshot(self.backends, pinned, prompt, targets), self.rng, only)
+        if got is None or isinstance(got, Shed):
+            return got
         d, placement = got.decision, got.placement
         tokens = 0 if placement is None or self.affinity is None else self.affinity.sent(d.backend, placement)
-        return d.backend.lease(tokens), d, placement
+        lease = d.backend.lease(tokens)
+        if targets is not None and got.forecast is not None and got.forecast.met:
+            # Only a target it is predicted to meet holds others off: one it misses anyway (an impossible number,
+            # a least miss) would reserve the backend for nothing.
+            lease.hold_target(targets.tpot_s)
+        return lease, d, placement, got.forecast
 
     def acquire_retry(self, failed: Backend, placement: Placement | None = None) -> Lease | None:
+        """A lease on another backend for a retry (the caller holds the request's TPOT target on it,
+        Lease.hold_target, as on the first)."""
         target = retry_target(self.view, failed.url, failed.pool, self.rng)
         if target is None:
             return None

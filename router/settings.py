@@ -8,7 +8,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict, SettingsError
 
 from router.curves import parse_curve
@@ -88,6 +96,28 @@ def _check_curve(points: tuple[tuple[float, float], ...] | None) -> tuple[tuple[
     return points
 
 
+class SloTier(BaseModel):
+    """One service tier's latency targets (router.slo): milliseconds to the first token and per output token after
+    it (None: no target of that kind), and whether a request of the tier is shed (429) when no backend can meet
+    them (else it goes where it misses least)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    sheddable: bool = False
+
+
+# The service tiers OpenAI's SDKs send (`service_tier`) and what they ask of the router by default (docs/ROUTER.md
+# "Latency targets"): `default` and `auto` have no targets (routed by the policy, as without a tier).
+DEFAULT_SLO_TIERS: dict[str, SloTier] = {
+    "priority": SloTier(ttft_ms=2000, tpot_ms=30),
+    "default": SloTier(),
+    "auto": SloTier(),
+    "flex": SloTier(ttft_ms=30000, tpot_ms=100, sheddable=True),
+}
+
+
 class Settings(BaseSettings):
     """Every router setting. Field names are the YAML keys, the ROUTER_<NAME> env vars and the --flags."""
 
@@ -143,6 +173,12 @@ class Settings(BaseSettings):
     prefix_capacity_tokens: int = Field(
         1_000_000, ge=1000, description="prefix index bound per backend, in tokens, when its /v1/loads does "
         "not report max_total_num_tokens (load_signal backend)")
+
+    slo_tiers: dict[str, SloTier] = Field(
+        default_factory=lambda: dict(DEFAULT_SLO_TIERS), description="latency targets of each `service_tier` a "
+        "request may name (YAML: tier: {ttft_ms, tpot_ms, sheddable}; env/flag: JSON); replaces the default "
+        "mapping (priority 2000/30 ms, default and auto none, flex 30000/100 ms sheddable) as a whole; a tier "
+        "not listed is a 400")
 
     load_signal: Literal["local", "backend"] = Field(
         "local", description="local: this router's own in-flight counts; backend: also poll each backend's "
@@ -216,6 +252,17 @@ class Settings(BaseSettings):
         if len(set(urls)) != len(urls):
             raise ValueError("a backend URL is listed twice")
         return urls
+
+    @field_validator("slo_tiers", mode="before")
+    @classmethod
+    def _tiers_in(cls, value: Any) -> Any:
+        # A flag gives JSON text; YAML and the environment (pydantic-settings parses it) give a mapping.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("slo_tiers is not valid JSON (expected {\"TIER\": {\"ttft_ms\": N, ...}})") from None
+        return value
 
     @field_validator("speculative_curve", "baseline_curve", mode="before")
     @classmethod

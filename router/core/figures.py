@@ -5,6 +5,7 @@ things (a server's token time against its load, its idle prefill forward, a runn
 reported: router.estimator), named apart below."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ PRIOR_WAIT_S_PER_REQUEST = 0.01  # TTFT added by each request already on the ins
 PRIOR_TPOT_S = 0.02  # seconds per output token
 PRIOR_OUTPUT_TOKENS = 256.0
 EWMA = 0.05  # weight of each new sample (about the last 20 count)
+MAX_LOAD_TERM_S = 3600.0  # the queue term's cap: a queue beyond it says nothing more about the prefix
+TPOT_FORGET = 0.98  # weight the TPOT line's past keeps at each sample (about the last 50 count)
+TPOT_MIN_SPREAD = 0.25  # variance of the loads seen below which the line has no slope: their mean TPOT is used
 
 
 @dataclass(slots=True)
@@ -36,6 +40,40 @@ class PoolCosts:
     tpot_s: float = PRIOR_TPOT_S
     samples: int = 0
     tpot_samples: int = 0
+
+
+@dataclass(slots=True)
+class TpotLine:
+    """A pool's seconds per output token against the requests running beside (n, the time-weighted mean in flight
+    of each stream): a least-squares line over forgetting sums, so it follows drift and costs O(1) per sample. A
+    slope below 0 is taken as 0 (one more request running makes no request faster)."""
+
+    w: float = 0.0
+    sn: float = 0.0
+    snn: float = 0.0
+    sy: float = 0.0
+    sny: float = 0.0
+
+    def add(self, n: float, y: float) -> None:
+        if not (math.isfinite(n) and math.isfinite(y) and y > 0):
+            return
+        f = TPOT_FORGET
+        self.w = self.w * f + 1.0
+        self.sn = self.sn * f + n
+        self.snn = self.snn * f + n * n
+        self.sy = self.sy * f + y
+        self.sny = self.sny * f + n * y
+
+    def at(self, n: float, cold: float) -> float:
+        """Predicted seconds per token at n running; `cold` until two samples came."""
+        if self.w < 2.0:
+            return cold
+        mn, my = self.sn / self.w, self.sy / self.w
+        var = self.snn / self.w - mn * mn
+        if var < TPOT_MIN_SPREAD:
+            return my
+        slope = max(0.0, (self.sny / self.w - mn * my) / var)
+        return max(1e-6, my + slope * (n - mn))
 
 
 def _ewma(old: float, new: float) -> float:
@@ -55,6 +93,9 @@ class Figures:
         self.pools: dict[str, PoolCosts] = {}
         self.running_limits: dict[str, int] = {}  # by URL: the max_running_requests its /v1/loads last reported
         self.kv: dict[str, int] = {}  # max_total_num_tokens each backend reported
+        # By pool: seconds per output token against the load it ran at (router.core.latency's TPOT prediction
+        # where the policy has no speed model); kept apart from `pools`, which only the prefix scorer's events fill.
+        self.tpot_lines: dict[str, TpotLine] = {}
 
     def costs(self, pool: str) -> PoolCosts:
         c = self.pools.get(pool)
@@ -69,6 +110,27 @@ class Figures:
         """Has url's /v1/loads given its running limit?"""
         return url in self.running_limits
 
+    def queued_s(self, e) -> float:
+        """Seconds of TTFT ahead of a new request on endpoint `e` before its own prefill (the prefix scorer's
+        load term, router.affinity): a wait per request it runs, the prefill queued there (uncached prompt
+        tokens of leases with no first token yet), and a queue for a slot beyond its running limit (a slot frees
+        every request time / limit); capped at MAX_LOAD_TERM_S."""
+        c = self.costs(e.pool)
+        load = e.load_estimate
+        wait = c.wait_s * load + c.ttft_s_per_token * getattr(e, "pending_tokens", 0)
+        limit = self.limit(e.url)
+        if limit is not None and load >= limit:
+            wait += (load - limit + 1) * (c.tpot_s * self.output_tokens) / limit
+        return min(wait, MAX_LOAD_TERM_S)
+
+    def tpot_at(self, pool: str, n: float) -> float:
+        """Seconds per output token a request gets in `pool` with n running (itself included), speculation
+        included where the pool speculates (it is measured there); the prior until measured."""
+        line = self.tpot_lines.get(pool)
+        c = self.pools.get(pool)
+        cold = c.tpot_s if c is not None else PRIOR_TPOT_S
+        return cold if line is None else line.at(n, cold)
+
     def known(self, a: str, b: str) -> bool:
         """Both pools' decode speeds measured."""
         return self.costs(a).tpot_samples > 0 and self.costs(b).tpot_samples > 0
@@ -78,6 +140,12 @@ class Figures:
         tokens = obs.tokens()
         if tokens and obs.ok:
             self.output_tokens = _ewma(self.output_tokens, float(tokens))
+        if obs.ok and obs.ttft_s is not None and tokens and tokens > 1 and obs.duration_s > obs.ttft_s:
+            n = obs.inflight_mean if obs.inflight_mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2
+            line = self.tpot_lines.get(obs.pool)
+            if line is None:
+                line = self.tpot_lines[obs.pool] = TpotLine()
+            line.add(max(1.0, n), (obs.duration_s - obs.ttft_s) / (tokens - 1))
         if placement is None or not obs.ok:
             return
         p = obs.prompt_tokens

@@ -91,8 +91,12 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
+    """The decision, what the prefix scorer expects of it, and (a request with latency targets) the chosen
+    endpoint's predicted latency (router.core.latency.Forecast)."""
+
     decision: Decision
     placement: Placement | None
+    forecast: object | None = None
 
 
 class Picker:

@@ -61,7 +61,8 @@ class Epp:
         # The router_* gauges that read the pools (in flight, up, state, ejections), bound as serve binds them.
         self.gauges = exporter.bind(self.metrics, self.pools)
         self.decider = Decider(self.pools, block_bytes=settings.prefix_block_bytes, endpoints=settings.epp_endpoints,
-                               max_per_backend=settings.max_connections_per_backend, metrics=self.metrics)
+                               max_per_backend=settings.max_connections_per_backend, metrics=self.metrics,
+                               slo_tiers=settings.slo_tiers)
         self.metrics_runner: web.AppRunner | None = None
         self.metrics_url: str | None = None  # http://host:port of the /metrics listener, once started
         self.server: grpc.aio.Server | None = None

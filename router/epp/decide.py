@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from router.body import Head, parse_head
+from router.core.latency import Shed
 from router.core.plugins import Eligible, Placement
-from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError
+from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError, TargetsUnmet
 from router.headers import pinned_pool
 from router.health import no_backend
 from router.metrics import Metrics
@@ -16,6 +17,8 @@ from router.observe import OK, Attempt, Observation
 from router.policy import Decision
 from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
+from router.settings import DEFAULT_SLO_TIERS
+from router.slo import targets_of, tier_label
 from router.streaming import Usage
 
 # Seconds a shed request is told to wait (Retry-After): a place frees whenever any request on a full backend ends.
@@ -38,17 +41,24 @@ class Request:
     body: bytes | None
     pinned: str | None = None
     subset: list[str] | None = None
+    slo_ttft: str | None = None  # the x-slo-ttft-ms / x-slo-tpot-ms headers' values (router.slo)
+    slo_tpot: str | None = None
 
 
 class Pick:
     """One request's picked endpoints and the lease on the first; end() ends the lease exactly once."""
 
     __slots__ = ("pools", "lease", "endpoints", "placement", "head", "inflight_at_start", "t0", "ttft", "chunks",
-                 "data_events", "usage", "_ended")
+                 "data_events", "usage", "_ended", "targets", "forecast", "metrics")
 
     def __init__(self, pools: Pools, lease: Lease, endpoints: list[str], placement=None,
-                 head: Head | None = None) -> None:
+                 head: Head | None = None, targets=None, forecast=None, metrics: Metrics | None = None) -> None:
         self.pools = pools
+        # Latency targets (router.core.latency.Targets) and the picked endpoint's prediction (Forecast): None
+        # without targets; counted at the end in `metrics`.
+        self.targets = targets
+        self.forecast = forecast
+        self.metrics = metrics
         self.head = head  # the body's stream keys (None: no body)
         self.lease = lease
         self.endpoints = endpoints
@@ -81,8 +91,9 @@ class Pick:
         if b is None or b is self.lease.backend:
             return
         # Nothing was observed on the first backend: its lease ends without an observation (as a retry's).
+        tpot = self.lease.tpot_target
         self.lease.finish(None)
-        self.lease = b.lease()
+        self.lease = b.lease().hold_target(tpot)
         self.inflight_at_start = b.inflight
 
     def answered(self, status: int, failure: Failure | None = None) -> None:
@@ -116,12 +127,15 @@ class Pick:
         b = lease.backend
         u = self.usage
         streamed = self.ttft is not None
-        lease.finish(Observation(
+        obs = Observation(
             b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
             u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
             u.prompt if u.seen else None, u.cached, data_events=self.data_events,
             running_beside=lease.beside if streamed else None,
-            waited_s=lease.waited if streamed else None), self.pools, self.placement)
+            waited_s=lease.waited if streamed else None)
+        lease.finish(obs, self.pools, self.placement)
+        if self.targets is not None and self.forecast is not None and self.metrics is not None:
+            self.metrics.slo_done(tier_label(self.targets), self.targets, self.forecast, obs)
 
 
 def _by_endpoint(pools: Pools) -> dict[str, Backend]:
@@ -143,8 +157,9 @@ class Decider:
     candidate, the request is shed); `metrics`: where decisions are counted (router_route_decisions_total)."""
 
     def __init__(self, pools: Pools, *, block_bytes: int, endpoints: int = 1, max_per_backend: int | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, slo_tiers=None) -> None:
         self.pools = pools
+        self.slo_tiers = DEFAULT_SLO_TIERS if slo_tiers is None else slo_tiers  # service_tier -> SloTier
         self.block_bytes = block_bytes
         self.endpoints = endpoints
         self.max_per_backend = max_per_backend
@@ -155,15 +170,17 @@ class Decider:
         return self.max_per_backend is None or b.inflight - leased < self.max_per_backend
 
     def decide(self, req: Request) -> Pick | RouterError:
-        """The pick with its lease taken, or the error to answer with (400 unparsable, 503 nothing ready, 429 every
-        candidate full)."""
+        """The pick with its lease taken, or the error to answer with (400 unparsable or a bad latency target, 503
+        nothing ready, 429 every candidate full or the targets of a sheddable request unmet)."""
         try:
             pinned = pinned_pool(req.pinned)
             prompt = head = None
             if req.body is not None:
                 head = parse_head(req.body)
-                if self.pools.affinity is not None:
-                    prompt = prompt_of(head.messages, head.prompt, self.block_bytes)
+            targets = targets_of(req.slo_ttft, req.slo_tpot, None if head is None else head.service_tier,
+                                 self.slo_tiers)
+            if head is not None and (self.pools.affinity is not None or targets is not None):
+                prompt = prompt_of(head.messages, head.prompt, self.block_bytes)
         except BadRequest as err:
             return err
         pools = self.pools
@@ -183,10 +200,17 @@ class Decider:
                 return Overloaded(f"every backend holds {self.max_per_backend} requests "
                                   "(max_connections_per_backend); retry later")
             only = Eligible(frozenset(b.url for b in room))
-        got = pools.place(pinned, prompt, only)
+        got = pools.place(pinned, prompt, only) if targets is None else pools.choose(pinned, prompt, only, targets)
         if got is None:
             return no_backend(pools.backends)
-        lease, decision, placement = got
+        if isinstance(got, Shed):
+            assert targets is not None
+            if self.metrics is not None:
+                self.metrics.slo_shed(tier_label(targets))
+            return TargetsUnmet(f"no endpoint can meet the latency targets now (predicted TTFT "
+                                f"{got.forecast.ttft_s * 1000:.0f} ms, TPOT {got.forecast.tpot_s * 1000:.1f} ms at "
+                                f"best); retry after {got.retry_after_s} s", retry_after_s=got.retry_after_s)
+        lease, decision, placement, forecast = got if len(got) == 4 else (*got, None)
         self._count(decision, placement)
         first = lease.backend
         # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded first.
@@ -194,7 +218,7 @@ class Decider:
                        if b is not first and b.routable and self._has_room(b)),
                       key=lambda b: (b.pool != first.pool, b.load_estimate))
         endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
-        return Pick(pools, lease, endpoints, placement, head)
+        return Pick(pools, lease, endpoints, placement, head, targets, forecast, self.metrics)
 
     def _count(self, decision: Decision, placement: Placement | None) -> None:
         """The decision's metrics, as serve counts them (router.exchange.proxy)."""

@@ -18,7 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from router.body import with_usage
 from router.epp.decide import Decider, Pick, Request
 from router.errors import Failure, PayloadTooLarge, RouterError
-from router.headers import BACKEND_HEADER, POOL_HEADER
+from router.headers import BACKEND_HEADER, POOL_HEADER, SLO_TPOT_HEADER, SLO_TTFT_HEADER, predicted_headers
 from router.streaming import scan_usage, split_events, usage_view
 
 log = logging.getLogger("router.epp")
@@ -124,6 +124,7 @@ class Exchange:
         self.decider = decider
         self.max_body_bytes = max_body_bytes
         self.pinned: str | None = None
+        self.slo: tuple[str | None, str | None] = (None, None)  # the latency target headers (router.slo)
         self.subset: list[str] | None = None
         self.body = bytearray()
         self.pick: Pick | None = None
@@ -139,6 +140,7 @@ class Exchange:
         if kind == "request_headers":
             headers = req.request_headers.headers
             self.pinned = _header(headers, POOL_HEADER.lower())
+            self.slo = (_header(headers, SLO_TTFT_HEADER), _header(headers, SLO_TPOT_HEADER))
             subset = _metadata_value(req, SUBSET_NAMESPACE, SUBSET)
             self.subset = subset if isinstance(subset, list) else None
             if req.request_headers.end_of_stream:
@@ -165,12 +167,14 @@ class Exchange:
         return []
 
     def _decide(self, body: bytes | None, after: list[pb.ProcessingResponse]) -> list[pb.ProcessingResponse]:
-        got = self.decider.decide(Request(body, self.pinned, self.subset))
+        got = self.decider.decide(Request(body, self.pinned, self.subset, *self.slo))
         if isinstance(got, RouterError):
             return [immediate(got)]
         self.pick = got
         value = ",".join(got.endpoints)
         set_headers = [(DESTINATION, value)]
+        if got.forecast is not None:  # the prediction, for the backend's logs (and back on the answer below)
+            set_headers += [(k.lower(), v) for k, v in predicted_headers(got.forecast).items()]
         head = got.head
         if body and head is not None and head.streamed and not head.wants_usage:
             # The usage chunk tells the tokens the lease ran for (as in serve); the client still gets none.
@@ -205,7 +209,10 @@ class Exchange:
                 self.pick.answered(self.status, failure)
             # else Envoy answered without trying the backend (no_healthy_upstream: an address it could not use):
             # no attempt of the backend's to count.
-            mutation = _set_headers([(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)])
+            answer = [(POOL_HEADER, self.pick.pool), (BACKEND_HEADER, self.pick.url)]
+            if self.pick.forecast is not None:
+                answer += list(predicted_headers(self.pick.forecast).items())
+            mutation = _set_headers(answer)
             if not self.sse:
                 self.pick.sent()
             if req.response_headers.end_of_stream:
