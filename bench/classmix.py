@@ -41,15 +41,16 @@ class RequestClass:
                  f"TPOT {self.tpot_ms:g} ms" if self.tpot_ms is not None else ""]
         return ", ".join(p for p in parts if p) or "none (completion counts)"
 
-    def headers(self, send: bool) -> dict[str, str]:
-        """The request headers of this class; none when targets are not sent."""
+    def headers(self, send: bool, speedup: float = 1.0) -> dict[str, str]:
+        """The request headers of this class; none when targets are not sent. A target runs `speedup` times faster
+        than the deployment it stands for (simulators), so its router sees the targets divided by `speedup`."""
         if not send:
             return {}
         out = {}
         if self.ttft_ms is not None:
-            out[TTFT_HEADER] = f"{self.ttft_ms:g}"
+            out[TTFT_HEADER] = f"{self.ttft_ms / speedup:g}"
         if self.tpot_ms is not None:
-            out[TPOT_HEADER] = f"{self.tpot_ms:g}"
+            out[TPOT_HEADER] = f"{self.tpot_ms / speedup:g}"
         return out
 
     def body(self, send: bool) -> dict:

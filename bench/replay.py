@@ -315,7 +315,7 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
         c = classes.get(s)
         extra = c.body(send_targets) if c else {}
         if c and c.headers(send_targets):
-            session = _WithHeaders(session, c.headers(send_targets))
+            session = _WithHeaders(session, c.headers(send_targets, speedup))
         rec = await stream_one(session, url, "/v1/chat/completions",
                                _body(model, messages, max_tokens, ignore_eos, extra), request_timeout, text=text)
         sent.append(Sent(rec, s, turn, c.name if c else None))
@@ -544,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"(sent as {classmix.TTFT_HEADER} / {classmix.TPOT_HEADER}), default: no target and nothing sent, flex: "
         f"service_tier 'flex' in the body and targets TTFT "
         f"{classmix.DEFAULT_TARGETS['flex'][0]:g} ms and TPOT {classmix.DEFAULT_TARGETS['flex'][1]:g} ms (the "
-        "router's default flex tier) in the headers; a 429 is counted apart as shed, not as a failure.")
+        "router's default flex tier) in the headers; a 429 is counted apart as shed, not as a failure. The headers "
+        "carry the targets divided by --speedup (the target's clock; a tier's own numbers are not scaled).")
     m.add_argument("--class-mix", metavar="CLASS=SHARE,...",
                    help="shares of the conversations per class, adding up to 1 ('default': the default mix above)")
     m.add_argument("--class-targets", action="append", default=[], metavar="CLASS=ttft:MS,tpot:MS",

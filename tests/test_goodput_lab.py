@@ -40,6 +40,13 @@ def test_the_fleet_rows_run_end_to_end_and_judge_every_class(tmp_path, capsys):
     # the same draw in every row (seed 0): class counts are equal
     assert len({tuple(c["requests"] for c in r["classes"].values()) for r in rows}) == 1
     assert rows[3]["served_speculative"] > 0 and rows[3]["served_baseline"] > 0
+    # our router saw the targets only where they were sent: interactive by headers (tier "none"), flex by tier
+    counted = {tier: sum(v for k, v in rows[3]["router_slo"]["router_slo_requests_total"].items()
+                         if f"tier={tier}" in k.split(",")) for tier in ("none", "flex")}
+    classes = rows[3]["classes"]
+    assert counted == {"none": classes["interactive"]["requests"], "flex": classes["flex"]["requests"]}
+    assert not sum(rows[4]["router_slo"].get("router_slo_requests_total", {}).values())
+    assert "kimi-1spec+1base+ours-targets M=1: the router counted" in (tmp_path / "o" / "t.txt").read_text()
     assert doc["config"]["class_mix"][0] == {"name": "interactive", "share": 0.5, "ttft_ms": 600000.0,
                                              "tpot_ms": None, "tier": None}
     text = (tmp_path / "o" / "t.txt").read_text()

@@ -32,6 +32,8 @@ def test_the_default_mix_is_the_documented_one():
     assert FLEX.headers(True) == {"x-slo-ttft-ms": "30000", "x-slo-tpot-ms": "100"}
     # --no-send-targets: the same classes, nothing sent
     assert INTERACTIVE.headers(False) == {} and FLEX.body(False) == {}
+    # a simulator 8x fast: its router sees the targets in its own (wall) clock
+    assert INTERACTIVE.headers(True, speedup=8) == {"x-slo-ttft-ms": "625", "x-slo-tpot-ms": "3.75"}
 
 
 def test_targets_and_tiers_override_the_defaults():

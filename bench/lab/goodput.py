@@ -8,12 +8,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 from bench import classmix, cli, figures, procs
 from bench.cli import ArgError, NotServing
@@ -123,6 +126,24 @@ def build_parser() -> cli.Parser:
     return p
 
 
+SAMPLE_RE = re.compile(r"^(router_slo_\w+)\{([^}]*)\}\s+(\S+)$", re.M)
+
+
+async def slo_metrics(url: str) -> dict:
+    """Our router's own account of the targets it saw (router_slo_*): requests by tier and outcome, targets met and
+    missed by tier and kind, and the predicted-over-measured ratio's histogram by kind and pool."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in SAMPLE_RE.findall(text):
+        if name.endswith("_created"):
+            continue
+        key = ",".join(f"{k}={v}" for k, v in re.findall(r'(\w+)="([^"]*)"', labels))
+        out.setdefault(name, {})[key] = float(value)
+    return out
+
+
 def replay_cmd(ns, dep: Deployment, sample: int, speedup: float, model: str, url: str, out: Path, stem: str) -> list[str]:
     cmd = [sys.executable, "-m", "bench", "replay", "--trace", str(ns.trace), "--target", f"{dep.name}={url}",
            "--speedup", f"{speedup:g}", "--window-end", f"{ns.window_end:g}", "--sample-conversations", str(sample),
@@ -177,6 +198,8 @@ def run_one(dep: Deployment, sample: int, ns, tmp: Path) -> dict:
             rc = subprocess.run(replay_cmd(ns, dep, sample, speedup, model, url, tmp, stem), stdout=out,
                                 stderr=subprocess.STDOUT, check=False).returncode
         after = cli.run_async(sim_stats(spec + base))
+        if dep.router == OURS:
+            row["router_slo"] = cli.run_async(slo_metrics(url))
     result = tmp / f"{stem}.json"
     if rc not in (0, 1) or not result.exists():
         tail = (tmp / f"{stem}.replay.log").read_text(errors="replace").strip().splitlines()[-1:]
@@ -229,7 +252,27 @@ def render(rows: list[dict], config: dict) -> str:
             _n(r["output_throughput"], 1), f"{r['served_speculative']}/{r['served_baseline']}"])
     out += figures.grid(grid)
     out += ["", "servers: " + "; ".join(dict.fromkeys(f"{r['deployment']}: {r['servers']}" for r in rows))]
+    out += [line for r in rows if r.get("router_slo") for line in [slo_line(r)] if line]
     return "\n".join(out)
+
+
+def slo_line(r: dict) -> str:
+    """What our router counted of the targets (by tier: met / missed / shed / unmeasured) and how far its
+    predictions were from what it measured (mean predicted/measured by kind and pool)."""
+    m = r["router_slo"]
+    by_tier: dict[str, list[str]] = {}
+    for key, v in sorted(m.get("router_slo_requests_total", {}).items()):
+        labels = dict(kv.split("=", 1) for kv in key.split(","))
+        if v:
+            by_tier.setdefault(labels["tier"], []).append(f"{labels['result']} {v:.0f}")
+    sums, counts = m.get("router_slo_prediction_ratio_sum", {}), m.get("router_slo_prediction_ratio_count", {})
+    ratios = [f"{k.replace('kind=', '').replace(',pool=', ' ')} {sums[k] / counts[k]:.2f}"
+              for k in sorted(sums) if counts.get(k)]
+    if not by_tier and not ratios:
+        return ""
+    return (f"{r['deployment']} M={r['sample_conversations']}: the router counted "
+            + ("; ".join(f"{t}: {', '.join(v)}" for t, v in by_tier.items()) or "no request with targets")
+            + (f"; mean predicted/measured: {', '.join(ratios)}" if ratios else ""))
 
 
 CSV_FIELDS = ["deployment", "group", "gpus", "servers", "router", "send_targets", "sample_conversations", "speedup",
