@@ -391,7 +391,7 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
     fig["slowdown"] = slowdown
     fig["token_scale"] = wl.token_scale
     fig["requests"] = wl.requests
-    fig["not_sent"] = max(0, wl.requests - len(records))
+    fig["not_sent"] = max(0, wl.requests - len(sent))  # a shed request was sent (and is counted apart)
     reported = [r for r in ok if r.cached_tokens is not None]
     fig["cache_reported"] = len(reported)
     fig["cached_tokens"] = sum(r.cached_tokens for r in reported) if reported else None

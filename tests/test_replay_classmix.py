@@ -182,7 +182,7 @@ async def test_each_class_sends_its_targets_and_429s_are_shed(raw_backend_factor
         assert slo == 0 and tiers.count(None) == 40
     fig = json.loads((out / "replay.json").read_text())["results"]["raw"][0]
     shed = expected["flex"] if send else 0
-    assert fig["shed"] == shed and fig["failed"] == 0 and fig["completed"] == 40 - shed
+    assert fig["shed"] == shed and fig["failed"] == fig["not_sent"] == 0 and fig["completed"] == 40 - shed
     assert fig["classes"]["flex"]["shed"] == shed and fig["class_good"] == 40 - shed
     assert {n: c["requests"] for n, c in fig["classes"].items()} == dict(expected)
     data = json.loads((out / "replay.json").read_text())["config"]
