@@ -30,6 +30,7 @@ LAB_COMMANDS: dict[str, tuple[str, str]] = {
     "modelcheck": ("bench.lab.modelcheck", "record what the adaptive router observes, replay it through alternative speed models"),
     "drift": ("bench.lab.drift", "the speculative server's acceptance drops mid-run: adaptive vs balanced (old/new curves)"),
     "prefixcompare": ("bench.lab.prefixcompare", "cache-aware routing on the replayed trace: our router vs smg / vllm-router, same servers and load"),
+    "goodput": ("bench.lab.goodput", "SLO goodput on Kimi's trace with a class mix: smg, SGLang adaptive and our router on the same simulated GPUs"),
     "replicas": ("bench.lab.replicas", "N router replicas on the same pools: load_signal backend vs local overshoot"),
     "faults": ("bench.lab.faultmatrix", "inject each backend fault under load and record what clients saw"),
     "stress": ("bench.lab.stress", "many concurrent streams through the router; checks nothing is lost"),

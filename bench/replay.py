@@ -1,6 +1,7 @@
 """`python -m bench replay`: a request trace (Mooncake JSONL) or a synthetic multi-turn workload, open loop at
 its own arrival times, against OpenAI-compatible URLs; bench_serving's figures plus prefix-cache hit ratio,
-goodput and the share each router pool served."""
+goodput and the share each router pool served; with a class mix (bench.classmix), each class's latency targets
+sent with its requests and its goodput judged against them."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import cli, figures
+from bench import classmix, cli, figures
 from bench.load import (
     BenchInputError,
     LevelRun,
@@ -232,14 +233,39 @@ class Sent:
     record: RequestRecord
     session: int
     turn: int
+    klass: str | None = None  # the request's class in a class mix
 
 
-def _body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> bytes:
+def _body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, extra: dict | None = None) -> bytes:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(extra or {})
     return json.dumps(body).encode()
+
+
+class _WithHeaders:
+    """The aiohttp session with a class's headers added to every post (stream_one sends only Content-Type)."""
+
+    def __init__(self, http, headers: dict[str, str]) -> None:
+        self._http, self._headers = http, headers
+
+    def post(self, url, *, headers: dict | None = None, **kw):
+        return self._http.post(url, headers={**(headers or {}), **self._headers}, **kw)
+
+
+def mix_key(sess: Session) -> int:
+    """What keeps one class: a trace line's conversation, a synthetic session."""
+    return conversation(sess.trace) if sess.trace is not None else sess.index
+
+
+def assign_classes(wl: Workload, classes: list[classmix.RequestClass] | None,
+                   seed: int) -> dict[int, classmix.RequestClass]:
+    """Session index -> its class (empty without a mix)."""
+    if not classes:
+        return {}
+    return {s.index: classmix.assign(mix_key(s), seed, classes) for s in wl.sessions}
 
 
 class Progress:
@@ -271,9 +297,12 @@ class Progress:
 
 
 async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowdown: float, request_timeout: float,
-                    ignore_eos: bool, level_cap: float, progress: Progress | None = None) -> list[Sent]:
-    """Every session at its arrival time (workload time x slowdown / speedup on the wall clock)."""
+                    ignore_eos: bool, level_cap: float, progress: Progress | None = None,
+                    classes: dict[int, classmix.RequestClass] | None = None, send_targets: bool = True) -> list[Sent]:
+    """Every session at its arrival time (workload time x slowdown / speedup on the wall clock); with `classes`
+    (session index -> class), each request carries its class's targets when `send_targets`."""
     sent: list[Sent] = []
+    classes = classes or {}
     p = wl.params
     scale = wl.token_scale
     url = url.rstrip("/")
@@ -283,9 +312,13 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
         if progress:
             progress.sent += 1
             progress.update()
+        c = classes.get(s)
+        extra = c.body(send_targets) if c else {}
+        if c and c.headers(send_targets):
+            session = _WithHeaders(session, c.headers(send_targets, speedup))
         rec = await stream_one(session, url, "/v1/chat/completions",
-                               _body(model, messages, max_tokens, ignore_eos), request_timeout, text=text)
-        sent.append(Sent(rec, s, turn))
+                               _body(model, messages, max_tokens, ignore_eos, extra), request_timeout, text=text)
+        sent.append(Sent(rec, s, turn, c.name if c else None))
         if progress:
             progress.done += 1
             progress.update()
@@ -341,8 +374,10 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
 # ---- figures --------------------------------------------------------------------------------------
 
 def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: float,
-                  slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
-    records = [s.record for s in sent]
+                  slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+                  classes: list[classmix.RequestClass] | None = None) -> dict:
+    # a 429 to a sheddable request is counted apart (`shed`), not as a failure, and is in no other figure
+    records = [s.record for s in sent if not (classes and classmix.is_shed(s.record))]
     run = LevelRun(records=records, duration=(max(r.end for r in records) - min(r.start for r in records))
                    if records else 0.0)
     span = wl.span_s * slowdown
@@ -356,7 +391,7 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
     fig["slowdown"] = slowdown
     fig["token_scale"] = wl.token_scale
     fig["requests"] = wl.requests
-    fig["not_sent"] = max(0, wl.requests - len(records))
+    fig["not_sent"] = max(0, wl.requests - len(sent))  # a shed request was sent (and is counted apart)
     reported = [r for r in ok if r.cached_tokens is not None]
     fig["cache_reported"] = len(reported)
     fig["cached_tokens"] = sum(r.cached_tokens for r in reported) if reported else None
@@ -378,6 +413,12 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
         fig["request_goodput"] = good / fig["duration_s"] if fig["duration_s"] > 0 else 0.0
     pools = Counter(r.pool for r in ok if r.pool)
     fig["pool_share"] = {p: n / len(ok) for p, n in sorted(pools.items())} if pools else None
+    if classes:
+        mix = classmix.score([(s.record, s.klass) for s in sent if s.klass is not None], classes,
+                             speedup=speedup, duration_s=fig["duration_s"])
+        fig["class_goodput"], fig["class_good"], fig["shed"] = mix["goodput"], mix["good"], mix["shed"]
+        fig["classes"] = mix["classes"]
+        fig["unattributed_failed"] = sum(1 for s in sent if s.klass is None)  # cut at the level's cap
     return fig
 
 
@@ -418,11 +459,38 @@ def render(results: dict[str, list[dict]], wl: Workload) -> str:
            "figures in the target's time (bench_serving's formulas); cache hit = usage cached_tokens / prompt_tokens",
            ""]
     out += figures.grid(rows) + ["", "latency (ms)"] + figures.grid(lat)
+    out += render_classes(results)
     return "\n".join(out)
 
 
+def render_classes(results: dict[str, list[dict]]) -> list[str]:
+    """The class mix's table: goodput judged against each class's own targets, whatever the target did with them."""
+    figs = [(name, f) for name, fs in results.items() for f in fs if f.get("classes")]
+    if not figs:
+        return []
+    names = list(figs[0][1]["classes"])
+    rows = [["target", "slowdown", "goodput/s", "shed (429)"] + [f"{n} met" for n in names]
+            + ["TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "out tok/s"]]
+    for name, f in figs:
+        row = [name, f"{f['slowdown']:g}", _f(f["class_goodput"], 3), str(f["shed"])]
+        for n in names:
+            c = f["classes"][n]
+            att = "-" if c["attainment"] is None else f"{100 * c['attainment']:.0f}%"
+            row.append(f"{att} ({c['good']}/{c['requests'] - c['shed']})")
+        row += [_f(f[f"{s}_{m}_ms"], 0) for m in ("ttft", "tpot") for s in ("median", "p90", "p99")]
+        row.append(_f(f["output_throughput"]))
+        rows.append(row)
+    c0 = figs[0][1]["classes"]
+    legend = "; ".join(f"{n} {100 * c['share']:.0f}%: targets {classmix.RequestClass(n, 0, c['ttft_target_ms'], c['tpot_target_ms']).targets}"
+                       + (f", service_tier {c['tier']}" if c["tier"] else "") for n, c in c0.items())
+    return ["", f"class mix ({legend}); goodput = requests meeting their class's targets per second (no targets: "
+                "completed); met = that over the class's requests less its 429s; latencies (ms) exclude 429s"] \
+        + figures.grid(rows)
+
+
 CSV_EXTRA = ["slowdown", "token_scale", "requests", "not_sent", "cache_reported", "cached_tokens", "cache_hit_ratio",
-             "slo_ttft_ms", "slo_tpot_ms", "good_requests", "request_goodput", "pool_share"]
+             "slo_ttft_ms", "slo_tpot_ms", "good_requests", "request_goodput", "pool_share", "class_goodput", "shed",
+             "class_attainment"]
 
 
 def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
@@ -436,6 +504,9 @@ def write_csv(path: Path, results: dict[str, list[dict]]) -> None:
                 row = {**f, "target": name}
                 if f.get("pool_share"):
                     row["pool_share"] = " ".join(f"{p}:{s:.4f}" for p, s in f["pool_share"].items())
+                if f.get("classes"):
+                    row["class_attainment"] = " ".join(f"{n}:{_f(c['attainment'], 4)}"
+                                                       for n, c in f["classes"].items())
                 w.writerow(figures._clean(row))
 
 
@@ -465,6 +536,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "report says so")
     p.add_argument("--slo-ttft", type=cli.positive(float), metavar="MS", help="goodput: TTFT at most MS")
     p.add_argument("--slo-tpot", type=cli.positive(float), metavar="MS", help="goodput: TPOT at most MS")
+    m = p.add_argument_group(
+        "class mix (latency targets per request; goodput judged per class)",
+        f"Each conversation (a trace line's second block id; a synthetic session) draws one class, seeded by --seed. "
+        f"Default with --class-mix default: {classmix.DEFAULT_MIX}; interactive targets TTFT "
+        f"{classmix.DEFAULT_TARGETS['interactive'][0]:g} ms and TPOT {classmix.DEFAULT_TARGETS['interactive'][1]:g} ms "
+        f"(sent as {classmix.TTFT_HEADER} / {classmix.TPOT_HEADER}), default: no target and nothing sent, flex: "
+        f"service_tier 'flex' in the body and targets TTFT "
+        f"{classmix.DEFAULT_TARGETS['flex'][0]:g} ms and TPOT {classmix.DEFAULT_TARGETS['flex'][1]:g} ms (the "
+        "router's default flex tier) in the headers; a 429 is counted apart as shed, not as a failure. The headers "
+        "carry the targets divided by --speedup (the target's clock; a tier's own numbers are not scaled).")
+    m.add_argument("--class-mix", metavar="CLASS=SHARE,...",
+                   help="shares of the conversations per class, adding up to 1 ('default': the default mix above)")
+    m.add_argument("--class-targets", action="append", default=[], metavar="CLASS=ttft:MS,tpot:MS",
+                   help="a class's targets (either may be left out; CLASS=none: no target); repeatable")
+    m.add_argument("--class-tier", action="append", default=[], metavar="CLASS=TIER",
+                   help="send service_tier TIER in the body of CLASS's requests (CLASS=none: send none); repeatable")
+    m.add_argument("--send-targets", action=argparse.BooleanOptionalAction, default=True,
+                   help="send each class's targets (headers, service_tier) to the target; --no-send-targets judges "
+                        "the same mix against a target that never sees them (default: send)")
     p.add_argument("--model", default="default", help="value of the 'model' field sent")
     p.add_argument("--speedup", type=cli.positive(float), default=1.0,
                    help="the targets' clocks run K times faster (simulator --speedup): arrivals come K times "
@@ -505,11 +595,25 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
                           sample=ns.sample_conversations)
 
 
-async def replay(ns: argparse.Namespace, wl: Workload) -> dict[str, list[dict]]:
+def classes_from_args(ns: argparse.Namespace) -> list[classmix.RequestClass] | None:
+    if ns.class_mix is None:
+        if ns.class_targets or ns.class_tier:
+            raise BenchInputError("--class-targets and --class-tier need --class-mix")
+        return None
+    mix = classmix.DEFAULT_MIX if ns.class_mix == "default" else ns.class_mix
+    try:
+        return classmix.build(mix, ns.class_targets, ns.class_tier)
+    except classmix.MixError as exc:
+        raise BenchInputError(str(exc)) from None
+
+
+async def replay(ns: argparse.Namespace, wl: Workload,
+                 classes: list[classmix.RequestClass] | None = None) -> dict[str, list[dict]]:
     for _, url in ns.target:
         await check_reachable(url)
     results: dict[str, list[dict]] = {name: [] for name, _ in ns.target}
     levels = ns.mooncake_slowdown_factor
+    of = assign_classes(wl, classes, ns.seed)
     for slowdown in levels:
         for name, url in ns.target:
             think = wl.params.get("think_time_s", 0.0) * wl.params.get("turns", 1) * 3
@@ -517,13 +621,14 @@ async def replay(ns: argparse.Namespace, wl: Workload) -> dict[str, list[dict]]:
             bar = Progress(f"{name} slowdown {slowdown:g}", wl.requests)
             sent = await run_level(url, wl, model=ns.model, speedup=ns.speedup, slowdown=slowdown,
                                    request_timeout=ns.timeout, ignore_eos=not ns.disable_ignore_eos, level_cap=cap,
-                                   progress=bar)
+                                   progress=bar, classes=of, send_targets=ns.send_targets)
             fig = level_figures(sent, wl, speedup=ns.speedup, slowdown=slowdown, slo_ttft_ms=ns.slo_ttft,
-                                slo_tpot_ms=ns.slo_tpot)
+                                slo_tpot_ms=ns.slo_tpot, classes=classes)
             results[name].append(fig)
             hit = "not reported" if fig["cache_hit_ratio"] is None else f"{100 * fig['cache_hit_ratio']:.1f}%"
+            mix = f", goodput {fig['class_goodput']:.3f}/s, {fig['shed']} shed" if classes else ""
             bar.end(f"{fig['output_throughput']:.1f} tok/s, TTFT p50 {fig['median_ttft_ms']:.0f} ms, cache hit "
-                    f"{hit}, {fig['completed']} ok, {fig['failed'] + fig['not_sent']} failed")
+                    f"{hit}, {fig['completed']} ok, {fig['failed'] + fig['not_sent']} failed{mix}")
     return results
 
 
@@ -535,9 +640,10 @@ def main(argv: list[str]) -> int:
         print(f"spec-bench replay: {exc}", file=sys.stderr)
         return 2
     try:
+        classes = classes_from_args(ns)
         wl = workload_from_args(ns)
         print(f"replay: {wl.description}; {wl.requests} requests; {scale_note(wl.token_scale)}", file=sys.stderr)
-        results = cli.run_async(replay(ns, wl))
+        results = cli.run_async(replay(ns, wl, classes))
     except BenchInputError as exc:
         print(f"spec-bench replay: {exc}", file=sys.stderr)
         return 2
@@ -551,7 +657,10 @@ def main(argv: list[str]) -> int:
               "window": [ns.window_start, ns.window_end], "token_scale": ns.token_scale,
               "token_scale_note": scale_note(ns.token_scale), "speedup": ns.speedup, "model": ns.model,
               "ignore_eos": not ns.disable_ignore_eos, "slo_ttft_ms": ns.slo_ttft, "slo_tpot_ms": ns.slo_tpot,
-              "synthetic": wl.params or None, "requests": wl.requests}
+              "synthetic": wl.params or None, "requests": wl.requests,
+              "class_mix": [{"name": c.name, "share": c.share, "ttft_ms": c.ttft_ms, "tpot_ms": c.tpot_ms,
+                             "tier": c.tier} for c in classes] if classes else None,
+              "send_targets": ns.send_targets if classes else None, "seed": ns.seed}
     figures.write_json(paths[0], {"config": config, "results": results})
     write_csv(paths[1], results)
     if not ns.no_plot and all(f["request_rate"] for figs in results.values() for f in figs):
