@@ -247,17 +247,22 @@ class FleetAdvice:
     high: dict[tuple[int, bool], float] = field(default_factory=dict)
     winners: tuple[int, ...] = ()  # every k that wins somewhere inside the range, the nominal winner first
     setting: str = ""
+    tp: int = 8
 
 
 def advise_fleet(box: Box, servers: int, tp: int, traffic: Traffic, classes: tuple, *, setting: str,
-                 alpha: float, alpha_band: float, model_error: float, tree_accept: float) -> FleetAdvice:
+                 alpha: float, alpha_band: float, model_error: float, tree_accept: float,
+                 profiles: tuple[Profile, Profile] | None = None) -> FleetAdvice:
     """Nominal: the speculative `setting` (bench.sim.stepcost.setting: tree, chainK) at chain acceptance `alpha`,
     the ideal prefix cache, the model as fitted. The range: acceptance alpha +- alpha_band (a chain's), the
-    speculative server's costs x (1 +- model_error), the prefix cache none or ideal."""
+    speculative server's costs x (1 +- model_error), the prefix cache none or ideal. `profiles`: (baseline,
+    speculative) server profiles to plan on instead of the model's (their acceptance is theirs: no band)."""
     none = tuple(0 for _ in traffic.prompts)
-    base = stepcost.derive_profile(box, stepcost.BASELINE, tp)
+    base = profiles[0] if profiles else stepcost.derive_profile(box, stepcost.BASELINE, tp)
 
     def spec_at(a: float) -> Profile:
+        if profiles:
+            return profiles[1]
         a = min(max(a, ALPHA_LIMITS[0]), ALPHA_LIMITS[1])
         return stepcost.derive_profile(box, stepcost.setting(setting, a, tree_accept), tp)
 
@@ -266,7 +271,8 @@ def advise_fleet(box: Box, servers: int, tp: int, traffic: Traffic, classes: tup
         return ours, [blind(servers, k, base, spec, traffic, classes, cached) for k in (0, servers)]
 
     splits, blinds = rows(spec_at(alpha), traffic.reused)
-    adv = FleetAdvice(servers, classes, traffic, splits, blinds, setting=setting)
+    adv = FleetAdvice(servers, classes, traffic, splits, blinds,
+                      setting=f"profile {profiles[1].name}" if profiles else setting, tp=tp)
     corners = [(spec_at(alpha), traffic.reused)] + [
         (_scaled(spec_at(a), e), cached) for a in (alpha - alpha_band, alpha + alpha_band)
         for e in (-model_error, model_error) for cached in (none, traffic.reused)]
@@ -307,9 +313,9 @@ def _tpot(s: Split, names: tuple[str, ...]) -> str:
     return " / ".join("overloaded" if x.overloaded else f"{x.tpot_ms:.0f}" for x in got)
 
 
-def render_fleet(adv: FleetAdvice, box_name: str, tp: int) -> str:
+def render_fleet(adv: FleetAdvice, box_name: str) -> str:
     t = adv.traffic
-    n = adv.servers
+    n, tp = adv.servers, adv.tp
     mix = ", ".join(f"{c.name} {c.share:.0%} ({_targets(c)})" for c in adv.classes)
     lines = [f"Fleet: {n} servers of TP{tp} on {box_name} ({n * tp} GPUs in every row), the speculative ones "
              f"running {adv.setting}; {t.rate:.2f} requests/s, mean prompt {sum(t.prompts) / len(t.prompts):,.0f} "
@@ -342,6 +348,9 @@ def render_fleet(adv: FleetAdvice, box_name: str, tp: int) -> str:
     lines += ["", f"Keeping servers for the targets, with no speculation: {adv.splits[0].goodput:.2f} requests/s against "
               f"{adv.blind[0].goodput:.2f} class-blind on all baseline servers; speculation on top: "
               f"{best.goodput:.2f} at {best.speculative} of {n}."]
+    lines += ["", "A steady-state model: bursts, prompt-length tails, KV admission and a balancer's imbalance are "
+              "left out, so it is optimistic under load (on the simulator, at 1.5 requests/s on 4 Kimi servers, by "
+              "up to 2x: docs/BENCH.md, \"The fleet question\")."]
     lines += ["", f"Recommendation (ours with targets): {verdict}. Inside the range: chain acceptance +- band, the "
               "speculative servers' costs x (1 +- the model's error), the prefix cache none to ideal; a split within "
               f"{NOISE:.0%} of the best counts as winning."]
@@ -362,7 +371,7 @@ def fleet_json(adv: FleetAdvice) -> dict:
 
     t = adv.traffic
     return {
-        "servers": adv.servers, "setting": adv.setting, "winners": list(adv.winners),
+        "servers": adv.servers, "tp": adv.tp, "setting": adv.setting, "winners": list(adv.winners),
         "traffic": {"rate": t.rate, "requests": len(t.prompts), "mean_prompt": sum(t.prompts) / len(t.prompts),
                     "ideal_reuse": sum(t.reused) / max(1, sum(t.prompts)), "mean_output": t.mean_output,
                     "description": t.description},

@@ -11,8 +11,10 @@ from bench import classmix, figures, planmodel, replay
 from bench import fleet as fleet_mod
 from bench.breakeven import make_plan, plan_json, render
 from bench.cli import ArgError, int_list, nonneg, parser, positive
+from bench.cli import profile as cli_profile
 from bench.load import BenchInputError
 from bench.sim import memory, presets, stepcost
+from bench.sim.profiles import ProfileError
 from bench.sim.stepcost import ShapeError
 
 
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
     if advice is not None:
         parts.append(planmodel.render(advice))
     if fleet is not None:
-        parts.append(fleet_mod.render_fleet(fleet, inputs.box.name, ns.fleet_tp or inputs.box.gpus))
+        parts.append(fleet_mod.render_fleet(fleet, inputs.box.name))
     if plan is not None:
         parts.append(("measured (compare/demo JSON):\n" if advice is not None else "") + render(plan))
     print("\n\n".join(parts))
@@ -199,6 +201,10 @@ def fleet_args(p) -> None:
     g.add_argument("--speculative", default="chain3", metavar="SETTING",
                    help="what the speculative servers run: tree, chainK, chainK-good (default chain3 at "
                         "--chain-alpha)")
+    g.add_argument("--fleet-profiles", metavar="BASE,SPEC",
+                   help="plan on these server profiles instead of the step-cost model's (simulator profile names "
+                        "or `spec-bench fit` files, baseline then speculative): your measured servers, or the "
+                        "simulator's; the range then keeps only the model's error and the cache")
 
 
 def fleet_inputs(ns, inputs: planmodel.Inputs | None) -> fleet_mod.FleetAdvice | None:
@@ -212,9 +218,6 @@ def fleet_inputs(ns, inputs: planmodel.Inputs | None) -> fleet_mod.FleetAdvice |
     if ns.trace is None:
         raise ArgError("--fleet needs --trace FILE (a Mooncake trace)")
     box = inputs.box
-    tp = ns.fleet_tp or box.gpus
-    if tp > box.gpus or box.gpus % tp:
-        raise ArgError(f"--fleet-tp {tp} must divide the box's {box.gpus} GPUs")
     classes = tuple(classmix.build(ns.class_mix, ns.class_targets))
     reqs = replay.load_trace(ns.trace)
     wl = replay.trace_workload(reqs, str(ns.trace), limit=None, window=(0.0, ns.window_end),
@@ -222,6 +225,18 @@ def fleet_inputs(ns, inputs: planmodel.Inputs | None) -> fleet_mod.FleetAdvice |
     traffic = fleet_mod.traffic_of([s.trace for s in wl.sessions], wl.span_s * ns.slowdown, ns.token_scale,
                                    wl.description)
     stepcost.setting(ns.speculative)  # an unknown setting: one line (ShapeError)
+    given = None
+    if ns.fleet_profiles is not None:
+        names = [n.strip() for n in ns.fleet_profiles.split(",")]
+        if len(names) != 2 or not all(names):
+            raise ArgError("--fleet-profiles takes BASE,SPEC: two profile names or files")
+        try:
+            given = (cli_profile(names[0]), cli_profile(names[1]))
+        except ProfileError as exc:
+            raise ArgError(f"--fleet-profiles: {exc}") from None
+    tp = ns.fleet_tp or (given[0].tp_size if given else box.gpus)
+    if tp > box.gpus or box.gpus % tp:
+        raise ArgError(f"--fleet-tp {tp} must divide the box's {box.gpus} GPUs")
     return fleet_mod.advise_fleet(box, ns.fleet, tp, traffic, classes, setting=ns.speculative,
                                   alpha=inputs.alpha, alpha_band=inputs.alpha_band, model_error=inputs.model_error,
-                                  tree_accept=inputs.tree_accept)
+                                  tree_accept=inputs.tree_accept, profiles=given)

@@ -87,7 +87,17 @@ def test_plan_fleet_prints_every_split_and_its_range(tmp_path, capsys):
     assert ("uncertain: " in line) == (len(winners) > 1)
 
 
+def test_plan_fleet_on_given_profiles(tmp_path, capsys):
+    trace = _write(tmp_path / "t.jsonl", _trace())
+    rc = bench_main(["plan", "--preset", "seed", "--fleet", "2", "--trace", str(trace),
+                     "--fleet-profiles", "baseline-tp8,eagle3-tp8"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "running profile eagle3-tp8" in text and "Fleet: 2 servers of TP8" in text
+
+
 @pytest.mark.parametrize(("argv", "fragment"), [
+    (["--preset", "seed", "--fleet", "4", "--trace", "t.jsonl", "--fleet-profiles", "baseline-tp8"], "BASE,SPEC"),
+    (["--preset", "seed", "--fleet", "4", "--trace", "t.jsonl", "--fleet-profiles", "baseline-tp8,nope"], "nope"),
     (["--preset", "seed", "--trace", "t.jsonl"], "--fleet N"),
     (["--preset", "seed", "--fleet", "4"], "--trace"),
     (["--fleet", "4", "--trace", "t.jsonl"], "--preset or --shape"),
