@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench import figures
 
@@ -60,9 +61,10 @@ def ratios(items: Iterable[Predicted]) -> dict[str, dict[str, list[float]]]:
 def stats(rs: Sequence[float]) -> dict:
     """n, p10/p50/p90 of the ratio, the median |log ratio| and the share within a factor 1.25."""
     if not rs:
-        return {"n": 0, "p10": None, "p50": None, "p90": None, "median_abs_log": None, "within_1_25": None}
+        return {"n": 0, "mean": None, "p10": None, "p50": None, "p90": None, "median_abs_log": None,
+                "within_1_25": None}
     logs = [abs(math.log(r)) for r in rs]
-    return {"n": len(rs), "p10": figures.percentile(rs, 10), "p50": figures.percentile(rs, 50),
+    return {"n": len(rs), "mean": sum(rs) / len(rs), "p10": figures.percentile(rs, 10), "p50": figures.percentile(rs, 50),
             "p90": figures.percentile(rs, 90), "median_abs_log": figures.percentile(logs, 50),
             "within_1_25": sum(1 for x in logs if x <= GOOD_LOG_ERROR + 1e-12) / len(rs)}
 
@@ -95,7 +97,8 @@ def summarize(items: Iterable[Predicted], warmup: int = WARMUP_REQUESTS) -> dict
             if not rs:
                 continue
             rows.append({"pool": pool, "kind": kind, "all": stats(rs), "warmup": stats(rs[:warmup]),
-                         "after": stats(rs[warmup:]), "settled_after": settled_after(rs, warmup)})
+                         "after": stats(rs[warmup:]), "settled_after": settled_after(rs, warmup),
+                         "windows": [figures.percentile(rs[i:i + warmup], 50) for i in range(0, len(rs), warmup)]})
     return {"warmup_requests": warmup, "rule_log_error": GOOD_LOG_ERROR, "rows": rows}
 
 
@@ -111,15 +114,17 @@ def render(results: dict[str, list[dict]]) -> list[str]:
     w = figs[0][1]["predictions"]["warmup_requests"]
     head = ["target", "slowdown", "pool", "kind"]
     for phase in ("all", f"first {w}", f"after {w}"):
-        head += [f"{phase}: n", "p10", "p50", "p90", "|log| p50"]
-    rows = [head + ["settled after"]]
+        head += [f"{phase}: n", "mean", "p10", "p50", "p90", "|log| p50"]
+    rows = [head + ["settled after", f"p50 per {w} requests"]]
     for name, f in figs:
         for row in f["predictions"]["rows"]:
             cells = [name, f"{f['slowdown']:g}", row["pool"], row["kind"]]
             for phase in ("all", "warmup", "after"):
                 s = row[phase]
-                cells += [str(s["n"]), _r(s["p10"]), _r(s["p50"]), _r(s["p90"]), _r(s["median_abs_log"], 3)]
+                cells += [str(s["n"]), _r(s["mean"]), _r(s["p10"]), _r(s["p50"]), _r(s["p90"]),
+                          _r(s["median_abs_log"], 3)]
             cells.append("-" if row["settled_after"] is None else str(row["settled_after"]))
+            cells.append(" ".join(f"{m:.2f}" for m in row["windows"]))
             rows.append(cells)
     return ["", f"predictions: the router's X-Router-Predicted-* headers over what the client measured "
                 f"(predicted/measured; 1 = exact); per pool in request order, the first {w} requests are the "
@@ -128,5 +133,50 @@ def render(results: dict[str, list[dict]]) -> list[str]:
         + figures.grid(rows)
 
 
+def from_replay(data: dict, warmup: int) -> dict[str, list[dict]]:
+    """A `spec-bench replay` JSON's results with the predictions summarised again at `warmup` from the
+    per-request rows it keeps (fig["predicted_requests"])."""
+    out: dict[str, list[dict]] = {}
+    for name, figs in data["results"].items():
+        for f in figs:
+            items = [Predicted(t, pool, pt, pp, None if mt is None else mt / 1000, None if mp is None else mp / 1000)
+                     for t, pool, pt, pp, mt, mp in f.get("predicted_requests") or []]
+            out.setdefault(name, []).append({"slowdown": f["slowdown"], "predictions": summarize(items, warmup)})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """python -m bench.predictions REPLAY.json [--warmup N]: the predictions table again, at another warm-up."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m bench.predictions", description=main.__doc__)
+    p.add_argument("replay_json", type=Path)
+    p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS, help="requests per pool (default %(default)s)")
+    ns = p.parse_args(argv)
+    if ns.warmup < 1:
+        print("python -m bench.predictions: --warmup must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        data = json.loads(ns.replay_json.read_text(encoding="utf-8"))
+        results = from_replay(data, ns.warmup)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"python -m bench.predictions: {ns.replay_json}: not a replay JSON ({exc})", file=sys.stderr)
+        return 2
+    lines = render(results)
+    if not lines:
+        print(f"python -m bench.predictions: {ns.replay_json}: no request carried a prediction", file=sys.stderr)
+        return 1
+    print("\n".join(lines[1:]))
+    return 0
+
+
 __all__ = ["GOOD_LOG_ERROR", "TPOT_HEADER", "TTFT_HEADER", "WARMUP_REQUESTS", "Predicted", "parse_ms", "ratios",
            "render", "settled_after", "stats", "summarize"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

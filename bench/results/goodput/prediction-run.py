@@ -4,7 +4,7 @@ row): fresh simulators and a cold router, started as bench/lab/goodput.py starts
 Kimi's trace with the default class mix; its text (with the predictions table) goes to OUT.txt, its JSON (per
 request: predicted and measured) to OUT.json.
 
-usage: nice -n 10 .venv/bin/python bench/results/goodput/prediction-run.py OUT [M] [WINDOW_END_S] [SPEEDUP]
+usage: nice -n 10 .venv/bin/python bench/results/goodput/prediction-run.py OUT.txt [M] [WINDOW_END_S] [SPEEDUP]
        (defaults: M 10, window 600 s, speedup 20; env WARMUP=N requests, default 50; TRACE=the Mooncake JSONL)"""
 from __future__ import annotations
 
