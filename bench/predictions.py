@@ -32,6 +32,7 @@ class Predicted:
     tpot_ms: float | None
     ttft_s: float | None
     tpot_s: float | None
+    ahead: int | None = None  # requests the client had in flight on its pool as it started (None: not counted)
 
 
 def parse_ms(value: str | None) -> float | None:
@@ -139,8 +140,8 @@ def from_replay(data: dict, warmup: int) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for name, figs in data["results"].items():
         for f in figs:
-            items = [Predicted(t, pool, pt, pp, None if mt is None else mt / 1000, None if mp is None else mp / 1000)
-                     for t, pool, pt, pp, mt, mp in f.get("predicted_requests") or []]
+            items = [Predicted(t, pool, pt, pp, None if mt is None else mt / 1000, None if mp is None else mp / 1000,
+                               *rest[:1]) for t, pool, pt, pp, mt, mp, *rest in f.get("predicted_requests") or []]
             out.setdefault(name, []).append({"slowdown": f["slowdown"], "predictions": summarize(items, warmup)})
     return out
 

@@ -444,11 +444,12 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
     predicted = prediction_records(sent)
     fig["predictions"] = predictions.summarize(predicted, prediction_warmup)
     if predicted:
-        # per request, in start order: pool, predicted TTFT and TPOT ms, measured TTFT and TPOT ms (wall clock)
+        # per request, in start order: start s, pool, predicted TTFT and TPOT ms, measured TTFT and TPOT ms (wall
+        # clock), requests in flight on its pool as it started (the client's count, itself not included)
         t0 = min(p.start for p in predicted)
         fig["predicted_requests"] = [[round(p.start - t0, 4), p.pool, p.ttft_ms, p.tpot_ms,
                                       None if p.ttft_s is None else round(p.ttft_s * 1000, 3),
-                                      None if p.tpot_s is None else round(p.tpot_s * 1000, 4)]
+                                      None if p.tpot_s is None else round(p.tpot_s * 1000, 4), p.ahead]
                                      for p in sorted(predicted, key=lambda p: p.start)]
     return fig
 
@@ -460,8 +461,11 @@ def prediction_records(sent: list[Sent]) -> list[predictions.Predicted]:
         r = s.record
         if not r.ok or r.ttft is None or (s.predicted_ttft_ms is None and s.predicted_tpot_ms is None):
             continue
+        # what the client saw running on its pool as it started (with or without targets): the load it went into
+        ahead = sum(1 for o in sent if o.record.pool == r.pool and o.record is not r
+                    and o.record.start <= r.start < o.record.end)
         out.append(predictions.Predicted(r.start, r.pool, s.predicted_ttft_ms, s.predicted_tpot_ms, r.ttft,
-                                         figures.tpot(r.latency, r.ttft, r.output_tokens)))
+                                         figures.tpot(r.latency, r.ttft, r.output_tokens), ahead))
     return out
 
 

@@ -99,7 +99,7 @@ async def test_replay_keeps_each_requests_predictions_and_reports_them(raw_backe
     rows = fig["predicted_requests"]
     assert len(rows) == targeted > 3 and fig["completed"] == 30
     assert {(r[1], r[2], r[3]) for r in rows} == {("speculative", 40.5, 2.25)}
-    assert all(r[4] > 0 for r in rows)  # the TTFT the client measured, ms
+    assert all(r[4] > 0 and 0 <= r[6] < 30 for r in rows)  # the TTFT the client measured (ms), the load it met
     starts = [r[0] for r in rows]
     assert starts == sorted(starts) and starts[0] == 0
     pred = {(r["pool"], r["kind"]): r for r in fig["predictions"]["rows"]}
@@ -109,3 +109,24 @@ async def test_replay_keeps_each_requests_predictions_and_reports_them(raw_backe
     assert s["all"]["p50"] == pytest.approx(40.5 / sorted(r[4] for r in rows)[len(rows) // 2], rel=0.5)
     assert ("speculative", "tpot") not in pred  # one token each: no TPOT measured
     assert "predictions: the router's X-Router-Predicted-* headers" in text and "first 3: n" in text
+
+
+def test_the_table_renders_again_from_a_replay_json_at_another_warm_up(tmp_path, capsys):
+    rows = [[i * 0.1, "speculative", 800.0 if i < 4 else 220.0, None, 200.0, None] for i in range(10)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": {"t": [{"slowdown": 1, "predicted_requests": rows}]}}))
+    assert predictions.main([str(path), "--warmup", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "speculative" in x).split()
+    # all: n 10, mean, p10, p50, p90; first 4 at 4x; the rest at 1.1x; settled after the first window of 4
+    assert line[4:6] == ["10", f"{(4 * 4 + 6 * 1.1) / 10:.2f}"] and line[10:12] == ["4", "4.00"]
+    assert line[16:19] == ["6", "1.10", "1.10"] and line[-4:] == ["4", "4.00", "1.10", "1.10"]
+    empty = tmp_path / "e.json"
+    empty.write_text(json.dumps({"results": {"t": [{"slowdown": 1}]}}))
+    assert predictions.main([str(empty)]) == 1
+    bad = tmp_path / "b.json"
+    bad.write_text("[1]")
+    assert predictions.main([str(bad)]) == 2
+    assert predictions.main([str(path), "--warmup", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "no request carried a prediction" in err[0] and "not a replay JSON" in err[1]
