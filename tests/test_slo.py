@@ -34,12 +34,9 @@ from router.slo import NO_TIER, targets_of, tier_label
 pytestmark = pytest.mark.timeout(30)
 
 
-def stream(pool: str, n: float, tpot: float, tokens: int = 101, ttft: float = 0.05,
-           mean: float | None = None) -> Observation:
-    """A finished stream that came in with n requests in flight (itself included) and ran at `tpot` seconds per token
-    after its first; `mean`: the time-weighted mean in flight over its life (default n)."""
-    return Observation(pool, pool[0], round(n), round(n), ttft + tpot * (tokens - 1), ttft, tokens, tokens, True,
-                       n if mean is None else mean)
+def stream(pool: str, n: float, tpot: float, tokens: int = 101, ttft: float = 0.05) -> Observation:
+    """A finished stream that ran beside n requests in all at `tpot` seconds per token after its first."""
+    return Observation(pool, pool[0], 1, 1, ttft + tpot * (tokens - 1), ttft, tokens, tokens, True, n)
 
 
 def text_prompt(nbytes: int, seed: int = 0) -> Prompt:
@@ -83,19 +80,6 @@ def test_one_measured_stream_replaces_the_prior():
     fig.observe(stream("speculative", 1, 0.004))
     assert fig.tpot_at("speculative", 4) == pytest.approx((0.98 * 0.002 + 0.004) / 1.98, rel=1e-9)
     assert fig.tpot_at("baseline", 4) == PRIOR_TPOT_S
-
-
-def test_the_tpot_line_is_against_the_load_a_request_came_in_with_the_load_it_is_predicted_at():
-    """A prediction is made at the load a request comes in with (load + 1, requests queued for prefill included);
-    the line learns against the same: the in-flight count when its lease was taken, not the mean in flight over its
-    life, which holds what came and went after (on Kimi's trace the two ordered the requests differently: docs/BENCH.md
-    "Latency targets: how good the predictions are"). Here the two orders disagree."""
-    fig = Figures()
-    for _ in range(10):
-        fig.observe(stream("speculative", 1, 0.004, mean=5.0))
-        fig.observe(stream("speculative", 5, 0.012, mean=1.5))
-    assert fig.tpot_at("speculative", 1) == pytest.approx(0.004, rel=1e-6)
-    assert fig.tpot_at("speculative", 5) == pytest.approx(0.012, rel=1e-6)
 
 
 def test_ttft_is_the_prefix_scorers_queue_plus_this_prompts_uncached_prefill():

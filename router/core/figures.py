@@ -44,10 +44,9 @@ class PoolCosts:
 
 @dataclass(slots=True)
 class TpotLine:
-    """A pool's seconds per output token against the load each stream came in with (n, the backend's in-flight
-    count when its lease was taken, itself included: what a prediction knows, router.core.latency): a least-squares
-    line over forgetting sums, so it follows drift and costs O(1) per sample. A slope below 0 is taken as 0 (one
-    more request makes no request faster)."""
+    """A pool's seconds per output token against the requests running beside (n, the time-weighted mean in flight
+    of each stream): a least-squares line over forgetting sums, so it follows drift and costs O(1) per sample. A
+    slope below 0 is taken as 0 (one more request running makes no request faster)."""
 
     w: float = 0.0
     sn: float = 0.0
@@ -143,13 +142,13 @@ class Figures:
         if tokens and obs.ok:
             self.output_tokens = _ewma(self.output_tokens, float(tokens))
         if obs.ok and obs.ttft_s is not None and tokens and tokens > 1 and obs.duration_s > obs.ttft_s:
-            # The load it came in with, as a prediction is made at (load + 1): the mean in flight over its life held
-            # what came and went after, and the line learned against it predicted TPOT rising with the load at
-            # arrival where it fell (docs/BENCH.md "Latency targets: how good the predictions are").
+            # The mean in flight over its life, not the load it came in with (what a prediction is made at): learning
+            # against the latter measured no better (docs/BENCH.md "Latency targets: how good the predictions are").
+            n = obs.inflight_mean if obs.inflight_mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2
             line = self.tpot_lines.get(obs.pool)
             if line is None:
                 line = self.tpot_lines[obs.pool] = TpotLine()
-            line.add(max(1.0, float(obs.inflight_at_start)), (obs.duration_s - obs.ttft_s) / (tokens - 1))
+            line.add(max(1.0, n), (obs.duration_s - obs.ttft_s) / (tokens - 1))
         if placement is None or not obs.ok:
             return
         p = obs.prompt_tokens
