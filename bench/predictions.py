@@ -134,6 +134,39 @@ def render(results: dict[str, list[dict]]) -> list[str]:
         + figures.grid(rows)
 
 
+LOAD_BANDS = ((0, 0), (1, 2), (3, 5), (6, 9), (10, None))  # requests in flight on the pool as one started
+
+
+def by_load(items: Iterable[Predicted], skip: int) -> list[dict]:
+    """Per pool, after its first `skip` requests, by the load each request came in with (its `ahead`): TPOT's
+    predicted/measured p50 and the predicted and measured TPOT (ms: p50, and the measured mean)."""
+    by_pool: dict[str, list[Predicted]] = {}
+    for it in sorted(items, key=lambda i: i.start):
+        if it.ahead is not None and it.tpot_ms is not None and it.tpot_s:
+            by_pool.setdefault(it.pool or "-", []).append(it)
+    out = []
+    for pool in sorted(by_pool):
+        for lo, hi in LOAD_BANDS:
+            got = [i for i in by_pool[pool][skip:] if i.ahead >= lo and (hi is None or i.ahead <= hi)]
+            if got:
+                measured = [i.tpot_s * 1000 for i in got]
+                out.append({"pool": pool, "ahead": f"{lo}+" if hi is None else f"{lo}-{hi}", "n": len(got),
+                            "ratio_p50": figures.percentile([i.tpot_ms / m for i, m in zip(got, measured, strict=True)], 50),
+                            "predicted_p50_ms": figures.percentile([i.tpot_ms for i in got], 50),
+                            "measured_p50_ms": figures.percentile(measured, 50),
+                            "measured_mean_ms": sum(measured) / len(measured)})
+    return out
+
+
+def render_by_load(name: str, rows: list[dict], skip: int) -> list[str]:
+    grid = [["target", "pool", "in flight ahead", "n", "TPOT pred/meas p50", "predicted p50 ms", "measured p50 ms",
+             "measured mean ms"]]
+    grid += [[name, r["pool"], r["ahead"], str(r["n"]), _r(r["ratio_p50"]), _r(r["predicted_p50_ms"]),
+              _r(r["measured_p50_ms"]), _r(r["measured_mean_ms"])] for r in rows]
+    return ["", f"TPOT by the load each request came in with (requests in flight on its pool as it started, the "
+                f"client's count), after each pool's first {skip}; ms on the wall clock"] + figures.grid(grid)
+
+
 def from_replay(data: dict, warmup: int) -> dict[str, list[dict]]:
     """A `spec-bench replay` JSON's results with the predictions summarised again at `warmup` from the
     per-request rows it keeps (fig["predicted_requests"])."""
@@ -142,12 +175,14 @@ def from_replay(data: dict, warmup: int) -> dict[str, list[dict]]:
         for f in figs:
             items = [Predicted(t, pool, pt, pp, None if mt is None else mt / 1000, None if mp is None else mp / 1000,
                                *rest[:1]) for t, pool, pt, pp, mt, mp, *rest in f.get("predicted_requests") or []]
-            out.setdefault(name, []).append({"slowdown": f["slowdown"], "predictions": summarize(items, warmup)})
+            out.setdefault(name, []).append({"slowdown": f["slowdown"], "predictions": summarize(items, warmup),
+                                             "by_load": by_load(items, warmup)})
     return out
 
 
 def main(argv: list[str]) -> int:
-    """python -m bench.predictions REPLAY.json [--warmup N]: the predictions table again, at another warm-up."""
+    """python -m bench.predictions REPLAY.json [--warmup N]: the predictions table again, at another warm-up, and
+    TPOT by the load each request came in with where the JSON has it."""
     import argparse
     import json
     import sys
@@ -169,11 +204,15 @@ def main(argv: list[str]) -> int:
     if not lines:
         print(f"python -m bench.predictions: {ns.replay_json}: no request carried a prediction", file=sys.stderr)
         return 1
+    for name, figs in results.items():
+        for f in figs:
+            if f["by_load"]:
+                lines += render_by_load(name, f["by_load"], ns.warmup)
     print("\n".join(lines[1:]))
     return 0
 
 
-__all__ = ["GOOD_LOG_ERROR", "TPOT_HEADER", "TTFT_HEADER", "WARMUP_REQUESTS", "Predicted", "parse_ms", "ratios",
+__all__ = ["GOOD_LOG_ERROR", "by_load", "TPOT_HEADER", "TTFT_HEADER", "WARMUP_REQUESTS", "Predicted", "parse_ms", "ratios",
            "render", "settled_after", "stats", "summarize"]
 
 

@@ -130,3 +130,14 @@ def test_the_table_renders_again_from_a_replay_json_at_another_warm_up(tmp_path,
     assert predictions.main([str(path), "--warmup", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "no request carried a prediction" in err[0] and "not a replay JSON" in err[1]
+
+
+def test_tpot_by_the_load_each_request_came_in_with():
+    items = [Predicted(i, "speculative", None, 4.0, 0.1, 0.002, ahead) for i, ahead in enumerate([0, 1, 2, 7, 7, 7])]
+    items.append(Predicted(9, "speculative", None, 4.0, 0.1, 0.002, None))  # no count: left out
+    rows = predictions.by_load(items, skip=1)  # the first (ahead 0) is the warm-up
+    assert [(r["ahead"], r["n"]) for r in rows] == [("1-2", 2), ("6-9", 3)]
+    assert rows[1]["ratio_p50"] == pytest.approx(2.0) and rows[1]["measured_mean_ms"] == pytest.approx(2.0)
+    assert rows[1]["predicted_p50_ms"] == pytest.approx(4.0)
+    text = "\n".join(predictions.render_by_load("t", rows, 1))
+    assert "in flight ahead" in text and "after each pool's first 1" in text
