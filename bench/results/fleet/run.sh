@@ -5,7 +5,8 @@
 # usage: bash bench/results/fleet/run.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=${1:-bench/results/fleet}
+DEFAULT_OUT=bench/results/fleet
+OUT=${1:-$DEFAULT_OUT}
 TRACE=${TRACE:-../shared/data/mooncake/conversation_trace_first_30min.jsonl}
 PY=.venv/bin/python
 mkdir -p "$OUT"
