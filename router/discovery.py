@@ -118,7 +118,44 @@ def apply_answers(pools: Pools, sources: Sequence[Source], answers: Sequence[fro
     return added
 
 
-class Discovery:
+class Polled:
+    """What both discovery sources share: a round every `interval` seconds, its changes applied with no await
+    in between (apply_answers), newcomers probed at once, the task started and stopped once."""
+
+    interval: float = 0.0
+    task_name = "router-discovery"
+    what = "discovery"  # in the log line of a failed round
+    pools: Pools
+    static: frozenset[str]
+    on_added: Callable[[Backend], Awaitable[None]] | None = None
+    _task: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        raise NotImplementedError
+
+    async def _apply(self, sources: Sequence, answers: Sequence[frozenset[str] | None]) -> None:
+        added = apply_answers(self.pools, sources, answers, self.static)
+        if self.on_added is not None and added:
+            # Probe newcomers at once rather than at the next health round: they carry no traffic until then.
+            await asyncio.gather(*(self.on_added(b) for b in added))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not stop discovery for the router's lifetime
+                log.exception("%s round failed", self.what)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=self.task_name)
+
+    async def stop(self) -> None:
+        await cancel(self._task)
+        self._task = None
+
+
+class Discovery(Polled):
     """Re-resolves every named pool entry each `discovery_interval` and adds/removes backends to match.
 
     A failed or empty answer keeps the previous members: a DNS hiccup must not empty a pool. Removed
@@ -134,7 +171,7 @@ class Discovery:
         self.on_added = on_added
         self.names = [_Name(pool, url) for pool in POOLS for url in named_entries(settings, pool)]
         self.static = frozenset(u for pool in POOLS for u in static_entries(settings, pool))
-        self._task: asyncio.Task | None = None
+        self.interval = settings.discovery_interval
 
     async def _resolve(self, name: _Name) -> frozenset[str] | None:
         host, port = _host_port(name.url)
@@ -156,25 +193,7 @@ class Discovery:
     async def refresh(self) -> None:
         """One round: resolve every name, then apply all changes with no await in between."""
         answers = await asyncio.gather(*(self._resolve(n) for n in self.names))
-        added = apply_answers(self.pools, self.names, answers, self.static)
-        if self.on_added is not None and added:
-            # Probe newcomers at once rather than at the next health round: they carry no traffic until then.
-            await asyncio.gather(*(self.on_added(b) for b in added))
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.discovery_interval)
-            try:
-                await self.refresh()
-            except Exception:  # a bug here must not stop discovery for the router's lifetime
-                log.exception("discovery round failed")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="router-discovery")
-
-    async def stop(self) -> None:
-        await cancel(self._task)
-        self._task = None
+        await self._apply(self.names, answers)
 
 
 def named_entries(settings: Settings, pool: str) -> list[str]:

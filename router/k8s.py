@@ -22,12 +22,11 @@ from typing import Any
 
 import aiohttp
 
-from router.discovery import apply_answers, endpoint_url, static_entries
+from router.discovery import Polled, endpoint_url, static_entries
 from router.metrics import Metrics
 from router.policy import POOLS
 from router.pools import Backend, Pools
 from router.settings import Settings, parse_pool_ref
-from router.tasks import cancel
 
 log = logging.getLogger("router.k8s")
 
@@ -182,8 +181,11 @@ class _Ref:
         return f"{self.namespace}/{self.name}"
 
 
-class InferencePoolDiscovery:
+class InferencePoolDiscovery(Polled):
     """The members of every k8s_inference_pools entry, re-read each k8s_interval; `refresh()` is one round."""
+
+    task_name = "router-k8s-discovery"
+    what = "InferencePool discovery"
 
     def __init__(self, pools: Pools, settings: Settings, metrics: Metrics,
                  on_added: Callable[[Backend], Awaitable[None]] | None = None) -> None:
@@ -199,7 +201,7 @@ class InferencePoolDiscovery:
             ref.sources = {p: _PoolPods(p, f"InferencePool {ref.label}") for p in ((pool,) if pool else POOLS)}
             self.refs.append(ref)
         self.static = frozenset(u for p in POOLS for u in static_entries(settings, p))
-        self._task: asyncio.Task | None = None
+        self.interval = settings.k8s_interval
 
     async def _read(self, ref: _Ref) -> dict[str, frozenset[str]] | None:
         try:
@@ -248,23 +250,9 @@ class InferencePoolDiscovery:
             for pool, source in ref.sources.items():
                 sources.append(source)
                 members.append(None if answer is None else answer[pool])
-        added = apply_answers(self.pools, sources, members, self.static)
-        if self.on_added is not None and added:
-            # Probe newcomers at once rather than at the next health round: they carry no traffic until then.
-            await asyncio.gather(*(self.on_added(b) for b in added))
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.k8s_interval)
-            try:
-                await self.refresh()
-            except Exception:  # a bug here must not stop discovery for the router's lifetime
-                log.exception("InferencePool discovery round failed")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="router-k8s-discovery")
+        await self._apply(sources, members)
 
     async def stop(self) -> None:
-        await cancel(self._task)
-        self._task = None
+        await super().stop()
+        await self.api.close()
         await self.api.close()
