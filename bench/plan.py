@@ -7,11 +7,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bench import figures, planmodel
+from bench import classmix, figures, planmodel, replay
+from bench import fleet as fleet_mod
 from bench.breakeven import make_plan, plan_json, render
 from bench.cli import ArgError, int_list, nonneg, parser, positive
+from bench.cli import profile as cli_profile
 from bench.load import BenchInputError
 from bench.sim import memory, presets, stepcost
+from bench.sim.profiles import ProfileError
 from bench.sim.stepcost import ShapeError
 
 
@@ -26,9 +29,11 @@ def main(argv: list[str]) -> int:
                    help="the reference to beat (default: the first non-speculative profile reference)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the plan as JSON")
     advise_args(p)
+    fleet_args(p)
     try:
         ns = p.parse_args(argv)
         inputs = advise_inputs(ns)
+        fleet = fleet_inputs(ns, inputs)
         if not ns.files and inputs is None:
             raise ArgError("give compare/demo JSON files, or --preset, --shape or the memory flags (--gpus "
                            "--gpu-memory-gb --model-weights-gb --kv-bytes-per-token) to plan before measuring")
@@ -46,7 +51,7 @@ def main(argv: list[str]) -> int:
                                                                   ("colocated", memory.COLOCATED))
                 if not advice.fits[name].fits}
             plan = make_plan(files, ns.against, unfit=unfit)
-    except (ArgError, BenchInputError, ShapeError, memory.MemoryFitError) as exc:
+    except (ArgError, BenchInputError, ShapeError, memory.MemoryFitError, classmix.MixError) as exc:
         print(f"spec-bench plan: {exc}", file=sys.stderr)
         return 2
     except (KeyError, TypeError, AttributeError) as exc:
@@ -55,6 +60,8 @@ def main(argv: list[str]) -> int:
     parts = []
     if advice is not None:
         parts.append(planmodel.render(advice))
+    if fleet is not None:
+        parts.append(fleet_mod.render_fleet(fleet, inputs.box.name))
     if plan is not None:
         parts.append(("measured (compare/demo JSON):\n" if advice is not None else "") + render(plan))
     print("\n\n".join(parts))
@@ -62,6 +69,8 @@ def main(argv: list[str]) -> int:
         out = plan_json(plan) if plan is not None else {}
         if advice is not None:
             out = {**out, "model": planmodel.advice_json(advice)} if plan is not None else planmodel.advice_json(advice)
+        if fleet is not None:
+            out = {**out, "fleet": fleet_mod.fleet_json(fleet)}
         figures.write_json(ns.json, out)
     return 0
 
@@ -129,7 +138,8 @@ def advise_inputs(ns) -> planmodel.Inputs | None:
         gpu = presets.GPUS[ns.gpu or "rtxpro6000"]
         link = presets.LINKS[ns.interconnect or "pcie"]
         box = stepcost.Box(name=f"{ns.shape.stem}-{ns.gpu or 'rtxpro6000'}-{link.name}", shape=shape, gpu=gpu,
-                           gpus=8, link=link, cal=presets.SEED_CAL, description=f"{shape.name} (shape file)")
+                           gpus=8, link=link, cal=presets.calibration(gpu, shape),
+                           description=f"{shape.name} (shape file)")
     if box is not None:
         if ns.interconnect:
             box = replace(box, link=presets.LINKS[ns.interconnect], name=f"{box.name}@{ns.interconnect}")
@@ -167,3 +177,66 @@ def advise_inputs(ns) -> planmodel.Inputs | None:
         kw["model_error"] = ns.model_error
     return planmodel.Inputs(box=box, model=model, hw=hw, max_tokens=ns.max_tokens, prompt_tokens=ns.prompt_tokens,
                             tp4_step_ratio=ns.tp4_step_ratio, **kw)
+
+
+def fleet_args(p) -> None:
+    g = p.add_argument_group("the fleet question: how many of N servers should speculate, for a trace and a class "
+                             "mix (with --preset or --shape)")
+    g.add_argument("--fleet", type=positive(int), metavar="N", help="servers of the box's class (each on --fleet-tp "
+                                                                     "GPUs; default the box's, one server a box)")
+    g.add_argument("--fleet-tp", type=positive(int), metavar="TP", help="GPUs per server (default: the box's GPUs)")
+    g.add_argument("--trace", type=Path, metavar="FILE", help="the traffic: a Mooncake trace (JSONL), as replay reads "
+                                                              "it")
+    g.add_argument("--sample-conversations", type=positive(int), default=1, metavar="M",
+                   help="keep one conversation in M, as replay does (default 1)")
+    g.add_argument("--window-end", type=positive(float), metavar="S", help="trace seconds to keep (default all)")
+    g.add_argument("--slowdown", type=positive(float), default=1.0, metavar="F",
+                   help="stretch the arrivals by F, as replay's --mooncake-slowdown-factor (default 1)")
+    g.add_argument("--token-scale", type=positive(float), default=1.0, help="shrink every prompt and output by this "
+                                                                           "factor, as replay does (default 1)")
+    g.add_argument("--class-mix", default=classmix.DEFAULT_MIX, metavar="CLASS=SHARE,...",
+                   help=f"the classes' shares, as replay's (default {classmix.DEFAULT_MIX})")
+    g.add_argument("--class-targets", action="append", default=[], metavar="CLASS=ttft:MS,tpot:MS",
+                   help="a class's targets, as replay's (repeatable; default interactive TTFT 5000 ms, TPOT 30 ms)")
+    g.add_argument("--speculative", default="chain3", metavar="SETTING",
+                   help="what the speculative servers run: tree, chainK, chainK-good (default chain3 at "
+                        "--chain-alpha)")
+    g.add_argument("--fleet-profiles", metavar="BASE,SPEC",
+                   help="plan on these server profiles instead of the step-cost model's (simulator profile names "
+                        "or `spec-bench fit` files, baseline then speculative): your measured servers, or the "
+                        "simulator's; the range then keeps only the model's error and the cache")
+
+
+def fleet_inputs(ns, inputs: planmodel.Inputs | None) -> fleet_mod.FleetAdvice | None:
+    """The fleet question's answer, when --fleet is given (it needs a box and a trace)."""
+    if ns.fleet is None:
+        if ns.trace is not None:
+            raise ArgError("--trace plans a fleet: give --fleet N too")
+        return None
+    if inputs is None or inputs.box is None:
+        raise ArgError("--fleet needs a box: --preset or --shape")
+    if ns.trace is None:
+        raise ArgError("--fleet needs --trace FILE (a Mooncake trace)")
+    box = inputs.box
+    classes = tuple(classmix.build(ns.class_mix, ns.class_targets))
+    reqs = replay.load_trace(ns.trace)
+    wl = replay.trace_workload(reqs, str(ns.trace), limit=None, window=(0.0, ns.window_end),
+                               token_scale=ns.token_scale, num_rounds=1, sample=ns.sample_conversations)
+    traffic = fleet_mod.traffic_of([s.trace for s in wl.sessions], wl.span_s * ns.slowdown, ns.token_scale,
+                                   wl.description)
+    stepcost.setting(ns.speculative)  # an unknown setting: one line (ShapeError)
+    given = None
+    if ns.fleet_profiles is not None:
+        names = [n.strip() for n in ns.fleet_profiles.split(",")]
+        if len(names) != 2 or not all(names):
+            raise ArgError("--fleet-profiles takes BASE,SPEC: two profile names or files")
+        try:
+            given = (cli_profile(names[0]), cli_profile(names[1]))
+        except ProfileError as exc:
+            raise ArgError(f"--fleet-profiles: {exc}") from None
+    tp = ns.fleet_tp or (given[0].tp_size if given else box.gpus)
+    if tp > box.gpus or box.gpus % tp:
+        raise ArgError(f"--fleet-tp {tp} must divide the box's {box.gpus} GPUs")
+    return fleet_mod.advise_fleet(box, ns.fleet, tp, traffic, classes, setting=ns.speculative,
+                                  alpha=inputs.alpha, alpha_band=inputs.alpha_band, model_error=inputs.model_error,
+                                  tree_accept=inputs.tree_accept, profiles=given)

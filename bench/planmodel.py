@@ -45,6 +45,7 @@ class Inputs:
     tp4_step_ratio: float | None = None  # measured by the user; None: the model's
     alpha_band: float = ALPHA_BAND  # the recommendation's range: acceptance alpha +- this
     model_error: float = MODEL_ERROR  # ... and every speculative setting's speedup x (1 +- this)
+    spec_cap: int = stepcost.EAGLE_DEFAULT_MAX_RUNNING  # a speculative server's running requests (SGLang's default)
 
 
 @dataclass
@@ -79,7 +80,8 @@ def _settings(inp: Inputs, alpha: float) -> dict[str, Speculative]:
 
 
 def _curve(box: Box, spec: Speculative, inp: Inputs, tp: int) -> tuple[dict[int, float], dict[int, float]]:
-    prof = stepcost.derive_profile(box, spec, tp, prompt_tokens=inp.prompt_tokens, max_total_num_tokens=1_000_000)
+    prof = stepcost.derive_profile(box, spec, tp, prompt_tokens=inp.prompt_tokens, max_total_num_tokens=1_000_000,
+                                   cap=inp.spec_cap if spec.draft else None)
     tput, tpot = {}, {}
     length = prof.accept_length_general if prof.speculative else 1.0
     for c in inp.levels:
@@ -99,12 +101,12 @@ def _adaptive(box: Box, inp: Inputs, alpha: float, tp: int) -> tuple[dict[int, f
         curves[k] = _curve(box, spec, inp, tp)
     tput, tpot, choice = {}, {}, {}
     for c in inp.levels:
-        k = max(adaptive_steps(min(c, stepcost.EAGLE_DEFAULT_MAX_RUNNING)), key=lambda k: curves[k][0][c])
+        k = max(adaptive_steps(min(c, inp.spec_cap)), key=lambda k: curves[k][0][c])
         tput[c], tpot[c], choice[c] = curves[k][0][c], curves[k][1][c], k
     return tput, tpot, choice
 
 
-def _winners(tput: dict[str, dict[int, float]], levels, higher: bool = True) -> dict[int, str]:
+def winners(tput: dict[str, dict[int, float]], levels, higher: bool = True) -> dict[int, str]:
     out = {}
     for c in levels:
         base = tput["baseline"][c]
@@ -166,11 +168,11 @@ def advise(inp: Inputs) -> Advice:
         return seen[a]
 
     adv.tput, adv.tpot = at(inp.alpha)
-    adv.best_tput = _winners(adv.tput, inp.levels)
-    adv.best_latency = _winners(adv.tpot, inp.levels, higher=False)
+    adv.best_tput = winners(adv.tput, inp.levels)
+    adv.best_latency = winners(adv.tpot, inp.levels, higher=False)
     lo, hi = inp.alpha_range
     for a in (lo, inp.alpha, hi):
-        adv.alpha_sweep[a] = _winners(at(a)[0], inp.levels)
+        adv.alpha_sweep[a] = winners(at(a)[0], inp.levels)
     _ranges(adv, at)
     _split(adv, box, inp)
     if fits[memory.COLOCATED].fits:
@@ -180,14 +182,20 @@ def advise(inp: Inputs) -> Advice:
     return adv
 
 
+def range_points(inp: Inputs) -> tuple[list[float], list[float]]:
+    """The acceptances and model errors a recommendation's range spans: alpha +- alpha_band (five points, so a
+    winner that changes between the ends is seen) and a speedup factor 1 - model_error, 1, 1 + model_error."""
+    lo, hi = (max(ALPHA_LIMITS[0], inp.alpha - inp.alpha_band), min(ALPHA_LIMITS[1], inp.alpha + inp.alpha_band))
+    alphas = sorted({lo, (lo + inp.alpha) / 2, inp.alpha, (inp.alpha + hi) / 2, hi})
+    return alphas, sorted({1 - inp.model_error, 1.0, 1 + inp.model_error})
+
+
 def _ranges(adv: Advice, at) -> None:
     """What the inputs' range allows at each level: acceptance alpha +- alpha_band (five points, so a winner that
     changes between the ends is seen) and every speculative setting's speedup over the baseline off by
     model_error either way. A level is uncertain where the winner changes anywhere inside that range."""
     inp, levels = adv.inputs, adv.inputs.levels
-    lo, hi = (max(ALPHA_LIMITS[0], inp.alpha - inp.alpha_band), min(ALPHA_LIMITS[1], inp.alpha + inp.alpha_band))
-    alphas = sorted({lo, (lo + inp.alpha) / 2, inp.alpha, (inp.alpha + hi) / 2, hi})
-    errors = sorted({1 - inp.model_error, 1.0, 1 + inp.model_error})
+    alphas, errors = range_points(inp)
     for higher, nominal, choices_out, range_out in ((True, adv.best_tput, adv.tput_choices, adv.tput_range),
                                                     (False, adv.best_latency, adv.latency_choices, adv.latency_range)):
         found = {c: [nominal[c]] for c in levels}
@@ -198,7 +206,7 @@ def _ranges(adv: Advice, at) -> None:
                 # throughput x err; ms per token / err: the setting's speedup over the baseline x err either way
                 scaled = {n: d if n == "baseline" else {c: (v * err if higher else v / err) for c, v in d.items()}
                           for n, d in figures.items()}
-                win = _winners(scaled, levels, higher)
+                win = winners(scaled, levels, higher)
                 for c in levels:
                     if win[c] not in found[c]:
                         found[c].append(win[c])
@@ -216,35 +224,80 @@ def _split(adv: Advice, box: Box, inp: Inputs) -> None:
     """The TP(n/2)+TP(n/2) split with a router placing requests as well as possible between its two servers.
     Both halves' steps are the TP8 model's scaled by one ratio r (TP4 step / TP8 step): the model's, or the
     user's measured --tp4-step-ratio. The break-even ratio at c is the split's throughput at r = 1 over TP8's."""
-    half = inp.hw.gpus // 2
-    if half < 1:
+    if inp.hw.gpus // 2 < 1:
         return
     spec_name = max((n for n in adv.tput if n not in ("baseline", "adaptive")), key=lambda n: adv.tput[n][1])
     spec = _settings(inp, inp.alpha)[spec_name]
-    levels = inp.levels
-    full_levels = sorted(set(range(1, max(levels) + 1)))
-    sub = replace(inp, levels=tuple(full_levels))
+    adv.tp4_ratio, adv.tp4_ratio_source = _tp4_ratio(box, inp)
+    even, split = _split_curve(box, spec, inp, (1.0, adv.tp4_ratio))
+    for c in inp.levels:
+        adv.breakeven[c] = even[c] / adv.tput["baseline"][c]
+        adv.split[c] = split[c]
+
+
+def _tp4_ratio(box: Box, inp: Inputs) -> tuple[float, str]:
+    """A TP(n/2) server's step over a TP(n) server's: the user's measured --tp4-step-ratio, else the model's
+    mean over 1, 10 and 64 requests; and where it comes from."""
+    if inp.tp4_step_ratio is not None:
+        return inp.tp4_step_ratio, "--tp4-step-ratio"
+    lay4, lay8 = box.layout(inp.hw.gpus // 2), box.layout()
+    rs = [stepcost.step_ms(box.shape, lay4, box.cal, stepcost.BASELINE, n)
+          / stepcost.step_ms(box.shape, lay8, box.cal, stepcost.BASELINE, n) for n in (1, 10, 64)]
+    return sum(rs) / len(rs), (f"the step-cost model over {box.link.name} (n = 1, 10, 64: "
+                               + ", ".join(f"{x:.2f}" for x in rs) + ")")
+
+
+def _split_curve(box: Box, spec: Speculative, inp: Inputs, ratios: tuple[float, ...]) -> list[dict[int, float]]:
+    """The split's throughput at each level for each TP(n/2)/TP(n) step ratio: k requests on the speculative
+    half and c - k on the baseline half, the best k (0..c), both halves' TP(n) curves slowed by the ratio."""
+    sub = replace(inp, levels=tuple(range(1, max(inp.levels) + 1)))
     s8, _ = _curve(box, spec, sub, inp.hw.gpus)
     b8, _ = _curve(box, stepcost.BASELINE, sub, inp.hw.gpus)
-    if inp.tp4_step_ratio is not None:
-        r, src = inp.tp4_step_ratio, "--tp4-step-ratio"
-    else:
-        lay4, lay8 = box.layout(half), box.layout()
-        rs = [stepcost.step_ms(box.shape, lay4, box.cal, stepcost.BASELINE, n)
-              / stepcost.step_ms(box.shape, lay8, box.cal, stepcost.BASELINE, n) for n in (1, 10, 64)]
-        r, src = sum(rs) / len(rs), f"the step-cost model over {box.link.name} (n = 1, 10, 64: " + \
-            ", ".join(f"{x:.2f}" for x in rs) + ")"
-    adv.tp4_ratio, adv.tp4_ratio_source = r, src
+    out = []
+    for ratio in ratios:
+        best = {}
+        for c in inp.levels:
+            best[c] = max([b8[c]] + [s8[k] + (b8[c - k] if c - k else 0.0) for k in range(1, c + 1)]) / ratio
+        out.append(best)
+    return out
 
-    def split_at(c: int, ratio: float) -> float:
-        best = b8[c] / ratio
-        for k in range(1, c + 1):
-            best = max(best, (s8[k] + (b8[c - k] if c - k else 0.0)) / ratio)
-        return best
 
-    for c in levels:
-        adv.breakeven[c] = split_at(c, 1.0) / adv.tput["baseline"][c]
-        adv.split[c] = split_at(c, r)
+# The deployments of one box's GPUs the verdict map compares (docs/BENCH.md, "The verdict map"), by the names
+# `deployments` gives them: one TP server of each kind on all the GPUs, the split and the co-located pair.
+DEPLOYMENTS = ("baseline", "eagle3", "adaptive", "split", "colocated")
+
+
+def deployments(inp: Inputs, eagle3: str, alpha: float) -> dict[str, dict[int, float]]:
+    """Each deployment's throughput (tok/s, all GPUs) at each level, chain acceptance `alpha`: the TP baseline;
+    TP EAGLE-3 at `eagle3` (stepcost.setting's names: `tree`, the seed's, at the measured tree_accept; `chainK` at
+    `alpha`); TP adaptive (the best step count its table allows); the TP(n/2) split of that EAGLE-3 and the
+    baseline (the model's TP ratio, each request placed as well as possible); the co-located pair under global
+    routing (the better of its two servers, interleaving cost left out). Whether each fits is memory.fit_all's."""
+    assert inp.box is not None
+    tp = inp.hw.gpus
+    box = replace(inp.box, gpus=tp)
+    spec = stepcost.setting(eagle3, alpha, inp.tree_accept)
+    base, _ = _curve(box, stepcost.BASELINE, inp, tp)
+    eag, _ = _curve(box, spec, inp, tp)
+    ada, _, _ = _adaptive(box, inp, alpha, tp)
+    (split,) = _split_curve(box, spec, inp, (_tp4_ratio(box, inp)[0],))
+    colocated = {c: max(eag[c], base[c]) for c in inp.levels}
+    return {"baseline": base, "eagle3": eag, "adaptive": ada, "split": split, "colocated": colocated}
+
+
+def deployment_ranges(inp: Inputs, eagle3: str) -> list[dict[str, dict[int, float]]]:
+    """Each deployment's throughput over the baseline's at each level, at every point of the inputs' range
+    (range_points: the acceptance band, and every deployment but the baseline x the model's error either way, as
+    plan's recommendations); the nominal point (inp.alpha, no error) first."""
+    alphas, errors = range_points(inp)
+    points = [(inp.alpha, 1.0)] + [(a, e) for a in alphas for e in errors if (a, e) != (inp.alpha, 1.0)]
+    curves = {a: deployments(inp, eagle3, a) for a in alphas}
+    out = []
+    for a, err in points:
+        d = curves[a]
+        out.append({n: {c: 1.0 if n == "baseline" else v[c] / d["baseline"][c] * err for c in inp.levels}
+                    for n, v in d.items()})
+    return out
 
 
 def _bands(best: dict[int, str]) -> str:

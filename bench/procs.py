@@ -13,7 +13,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
-LISTEN_RE = re.compile(r"^listening on (http://\S+)\s*$")
+# An HTTP server prints its URL; `spec-router epp` (gRPC) prints HOST:PORT.
+LISTEN_RE = re.compile(r"^listening on ((?:http://)?\S+)\s*$")
 
 
 def terminate(proc: subprocess.Popen, grace: float = 5.0) -> int | None:

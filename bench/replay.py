@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import classmix, cli, figures
+from bench import classmix, cli, figures, predictions
 from bench.load import (
     BenchInputError,
     LevelRun,
@@ -234,6 +234,9 @@ class Sent:
     session: int
     turn: int
     klass: str | None = None  # the request's class in a class mix
+    # the router's X-Router-Predicted-TTFT-Ms / -TPOT-Ms answer headers (None: not sent; bench.predictions)
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
 
 
 def _body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, extra: dict | None = None) -> bytes:
@@ -246,13 +249,32 @@ def _body(model: str, messages: list[dict], max_tokens: int, ignore_eos: bool, e
 
 
 class _WithHeaders:
-    """The aiohttp session with a class's headers added to every post (stream_one sends only Content-Type)."""
+    """The aiohttp session of one request with a class's headers added to its post (stream_one sends only
+    Content-Type), keeping the router's prediction headers of its answer (stream_one keeps only the pool)."""
 
     def __init__(self, http, headers: dict[str, str]) -> None:
         self._http, self._headers = http, headers
+        self.predicted: tuple[float | None, float | None] = (None, None)
 
     def post(self, url, *, headers: dict | None = None, **kw):
-        return self._http.post(url, headers={**(headers or {}), **self._headers}, **kw)
+        return _Answer(self._http.post(url, headers={**(headers or {}), **self._headers}, **kw), self)
+
+
+class _Answer:
+    """session.post's context manager, noting the answer's prediction headers as it opens."""
+
+    def __init__(self, cm, sink: _WithHeaders) -> None:
+        self._cm, self._sink = cm, sink
+
+    async def __aenter__(self):
+        resp = await self._cm.__aenter__()
+        h = resp.headers
+        self._sink.predicted = (predictions.parse_ms(h.get(predictions.TTFT_HEADER)),
+                                predictions.parse_ms(h.get(predictions.TPOT_HEADER)))
+        return resp
+
+    async def __aexit__(self, *exc):
+        return await self._cm.__aexit__(*exc)
 
 
 def mix_key(sess: Session) -> int:
@@ -314,11 +336,10 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
             progress.update()
         c = classes.get(s)
         extra = c.body(send_targets) if c else {}
-        if c and c.headers(send_targets):
-            session = _WithHeaders(session, c.headers(send_targets, speedup))
-        rec = await stream_one(session, url, "/v1/chat/completions",
+        http = _WithHeaders(session, c.headers(send_targets, speedup) if c else {})
+        rec = await stream_one(http, url, "/v1/chat/completions",
                                _body(model, messages, max_tokens, ignore_eos, extra), request_timeout, text=text)
-        sent.append(Sent(rec, s, turn, c.name if c else None))
+        sent.append(Sent(rec, s, turn, c.name if c else None, *http.predicted))
         if progress:
             progress.done += 1
             progress.update()
@@ -375,7 +396,8 @@ async def run_level(url: str, wl: Workload, *, model: str, speedup: float, slowd
 
 def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: float,
                   slo_ttft_ms: float | None, slo_tpot_ms: float | None,
-                  classes: list[classmix.RequestClass] | None = None) -> dict:
+                  classes: list[classmix.RequestClass] | None = None,
+                  prediction_warmup: int = predictions.WARMUP_REQUESTS) -> dict:
     # a 429 to a sheddable request is counted apart (`shed`), not as a failure, and is in no other figure
     records = [s.record for s in sent if not (classes and classmix.is_shed(s.record))]
     run = LevelRun(records=records, duration=(max(r.end for r in records) - min(r.start for r in records))
@@ -419,7 +441,32 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
         fig["class_goodput"], fig["class_good"], fig["shed"] = mix["goodput"], mix["good"], mix["shed"]
         fig["classes"] = mix["classes"]
         fig["unattributed_failed"] = sum(1 for s in sent if s.klass is None)  # cut at the level's cap
+    predicted = prediction_records(sent)
+    fig["predictions"] = predictions.summarize(predicted, prediction_warmup)
+    if predicted:
+        # per request, in start order: start s, pool, predicted TTFT and TPOT ms, measured TTFT and TPOT ms (wall
+        # clock), requests in flight on its pool as it started (the client's count, itself not included)
+        t0 = min(p.start for p in predicted)
+        fig["predicted_requests"] = [[round(p.start - t0, 4), p.pool, p.ttft_ms, p.tpot_ms,
+                                      None if p.ttft_s is None else round(p.ttft_s * 1000, 3),
+                                      None if p.tpot_s is None else round(p.tpot_s * 1000, 4), p.ahead]
+                                     for p in sorted(predicted, key=lambda p: p.start)]
     return fig
+
+
+def prediction_records(sent: list[Sent]) -> list[predictions.Predicted]:
+    """The finished requests the router answered with a prediction, with what the client measured of them."""
+    out = []
+    for s in sent:
+        r = s.record
+        if not r.ok or r.ttft is None or (s.predicted_ttft_ms is None and s.predicted_tpot_ms is None):
+            continue
+        # what the client saw running on its pool as it started (with or without targets): the load it went into
+        ahead = sum(1 for o in sent if o.record.pool == r.pool and o.record is not r
+                    and o.record.start <= r.start < o.record.end)
+        out.append(predictions.Predicted(r.start, r.pool, s.predicted_ttft_ms, s.predicted_tpot_ms, r.ttft,
+                                         figures.tpot(r.latency, r.ttft, r.output_tokens), ahead))
+    return out
 
 
 def _f(v, digits=1, scale=1.0) -> str:
@@ -460,6 +507,7 @@ def render(results: dict[str, list[dict]], wl: Workload) -> str:
            ""]
     out += figures.grid(rows) + ["", "latency (ms)"] + figures.grid(lat)
     out += render_classes(results)
+    out += predictions.render(results)
     return "\n".join(out)
 
 
@@ -555,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--send-targets", action=argparse.BooleanOptionalAction, default=True,
                    help="send each class's targets (headers, service_tier) to the target; --no-send-targets judges "
                         "the same mix against a target that never sees them (default: send)")
+    m.add_argument("--prediction-warmup", type=cli.positive(int), default=predictions.WARMUP_REQUESTS, metavar="N",
+                   help="the router's latency predictions (X-Router-Predicted-* headers) are reported per pool over "
+                        "all requests, the first N and the rest (default %(default)s)")
     p.add_argument("--model", default="default", help="value of the 'model' field sent")
     p.add_argument("--speedup", type=cli.positive(float), default=1.0,
                    help="the targets' clocks run K times faster (simulator --speedup): arrivals come K times "
@@ -623,7 +674,7 @@ async def replay(ns: argparse.Namespace, wl: Workload,
                                    request_timeout=ns.timeout, ignore_eos=not ns.disable_ignore_eos, level_cap=cap,
                                    progress=bar, classes=of, send_targets=ns.send_targets)
             fig = level_figures(sent, wl, speedup=ns.speedup, slowdown=slowdown, slo_ttft_ms=ns.slo_ttft,
-                                slo_tpot_ms=ns.slo_tpot, classes=classes)
+                                slo_tpot_ms=ns.slo_tpot, classes=classes, prediction_warmup=ns.prediction_warmup)
             results[name].append(fig)
             hit = "not reported" if fig["cache_hit_ratio"] is None else f"{100 * fig['cache_hit_ratio']:.1f}%"
             mix = f", goodput {fig['class_goodput']:.3f}/s, {fig['shed']} shed" if classes else ""
@@ -660,7 +711,8 @@ def main(argv: list[str]) -> int:
               "synthetic": wl.params or None, "requests": wl.requests,
               "class_mix": [{"name": c.name, "share": c.share, "ttft_ms": c.ttft_ms, "tpot_ms": c.tpot_ms,
                              "tier": c.tier} for c in classes] if classes else None,
-              "send_targets": ns.send_targets if classes else None, "seed": ns.seed}
+              "send_targets": ns.send_targets if classes else None, "seed": ns.seed,
+              "prediction_warmup": ns.prediction_warmup}
     figures.write_json(paths[0], {"config": config, "results": results})
     write_csv(paths[1], results)
     if not ns.no_plot and all(f["request_rate"] for figs in results.values() for f in figs):

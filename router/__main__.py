@@ -94,15 +94,18 @@ def _add_settings(serve: argparse.ArgumentParser) -> None:
         # A float that is a share, not a duration (the adaptive policy's factors).
         meta = "RATIO" if name in ("adaptive_forgetting", "adaptive_explore", "adaptive_deadband") \
             else _metavar(field.annotation)
+        # A field may name its value's form itself (json_schema_extra metavar); a list is of URLs otherwise.
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         if _is_list(name):
-            serve.add_argument(flag, dest=name, action="append", metavar="URL",
+            serve.add_argument(flag, dest=name, action="append", metavar=str(extra.get("metavar", "URL")),
                                help=f"{field.description}; repeat or comma-separate")
         else:
             default = field.default
             shown = "unset" if default is None else ("***" if "key" in name else default)
             # A default built per instance (a mapping) is spelled out in the description itself.
             tail = "" if field.default_factory is not None else f" (default: {shown})"
-            serve.add_argument(flag, dest=name, metavar=meta, help=f"{field.description}{tail}")
+            serve.add_argument(flag, dest=name, metavar=str(extra.get("metavar", meta)),
+                               help=f"{field.description}{tail}")
     for old in OLD_NAMES:  # still taken, not listed: --help shows the new name
         serve.add_argument("--" + old.replace("_", "-"), dest=old, help=argparse.SUPPRESS)
     serve.set_defaults(**{name: None for name in (*Settings.model_fields, *OLD_NAMES)})

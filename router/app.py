@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -11,9 +11,10 @@ from prometheus_client import CollectorRegistry
 from router import exchange, exporter, handlers, introspect
 from router.accept import Acceptor, listen_socket
 from router.affinity import Affinity
-from router.discovery import Discovery, Resolver, static_entries
+from router.discovery import BackendDiscovery, Discovery, Resolver, static_entries
 from router.errors import error_middleware
 from router.health import HealthChecker
+from router.k8s import InferencePoolDiscovery
 from router.learner import Learner
 from router.loads import LoadPoller
 from router.metrics import Metrics
@@ -52,7 +53,7 @@ def build_app(settings: Settings, registry: CollectorRegistry | None = None,
     app.on_shutdown.append(_stop_accepting)
     app.on_shutdown.append(_drain_deadline)
     app.cleanup_ctx.append(_upstream_ctx)
-    if settings.discovery == "dns":
+    if settings.discovery == "dns" or settings.k8s_inference_pools:
         app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.cleanup_ctx.append(_learner_ctx)
@@ -71,6 +72,18 @@ def build_pools(settings: Settings) -> Pools:
                  policy=make_policy(settings), threshold=settings.threshold,
                  outlier_cfg=settings.outlier(), affinity=make_affinity(settings),
                  keys={k: v.get_secret_value() if v else None for k, v in keys.items()})
+
+
+def build_discovery(pools: Pools, settings: Settings, metrics: Metrics, resolver: Resolver | None = None,
+                    on_added: Callable[[Backend], Awaitable[None]] | None = None
+                    ) -> BackendDiscovery | None:
+    """The discovery of every front end (serve, epp): DNS names (discovery dns) or InferencePools
+    (k8s_inference_pools; Settings allows one of the two), or None when backends are only the configured ones."""
+    if settings.k8s_inference_pools:
+        return InferencePoolDiscovery(pools, settings, metrics, on_added=on_added)
+    if settings.discovery == "dns":
+        return Discovery(pools, settings, metrics, resolver, on_added=on_added)
+    return None
 
 
 def make_affinity(settings: Settings) -> Affinity | None:
@@ -133,12 +146,13 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         if st.health is not None and st.health.client is not None:
             await st.health.probe(b)
 
-    st.discovery = Discovery(st.pools, st.settings, st.metrics, st.resolver, on_added=probe_new)
+    discovery = st.discovery = build_discovery(st.pools, st.settings, st.metrics, st.resolver, on_added=probe_new)
+    assert discovery is not None  # this context is added only with discovery on
     # The first answer before the first health round, so that round already probes the discovered backends.
-    await st.discovery.refresh()
-    st.discovery.start()
+    await discovery.refresh()
+    discovery.start()
     yield
-    await st.discovery.stop()
+    await discovery.stop()
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -5,8 +5,9 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from router.metrics import Metrics
@@ -58,6 +59,64 @@ class _Name:
     url: str
     members: frozenset[str] = frozenset()
 
+    @property
+    def origin(self) -> str:
+        return urlsplit(self.url).hostname or self.url
+
+
+class Source(Protocol):
+    """One discovered set of backends of one pool (a DNS name, an InferencePool's pods of that pool)."""
+
+    pool: str
+    members: frozenset[str]
+
+    @property
+    def origin(self) -> str: ...
+
+
+@runtime_checkable
+class BackendDiscovery(Protocol):
+    """What a front end (serve, epp) runs to follow changing backends: DNS names (Discovery) or InferencePools
+    (router.k8s.InferencePoolDiscovery)."""
+
+    async def refresh(self) -> None:
+        """One round: read every source now and apply what changed."""
+
+    def start(self) -> None:
+        """Refresh in the background from now on."""
+
+    async def stop(self) -> None:
+        """End the background refreshes and release what they hold."""
+
+
+def apply_answers(pools: Pools, sources: Sequence[Source], answers: Sequence[frozenset[str] | None],
+                  static: frozenset[str]) -> list[Backend]:
+    """Each source's new members (None: no answer, keep the known ones) applied to the pools, with no await:
+    the backends that joined are returned (to be probed), those that left drain (Pools.remove_backend)."""
+    before = [source.members for source in sources]
+    for source, members in zip(sources, answers, strict=True):
+        if members is None or members == source.members:
+            continue
+        # Another source of the same pool may still list an address this one dropped: it stays while one does.
+        kept = {u for other in sources if other is not source and other.pool == source.pool
+                for u in other.members} | static
+        for url in sorted(source.members - members - kept):
+            log.info("backend %s (%s) left %s", url, source.pool, source.origin)
+            pools.remove_backend(url)
+        source.members = members
+    # Removals first: an address that left one pool in this round (a pod relabelled) may join the other.
+    added: list[Backend] = []
+    for source, old in zip(sources, before, strict=True):
+        for url in sorted(source.members):
+            b = pools.by_url.get(url)
+            if b is None:
+                log.info("backend %s (%s) joined from %s", url, source.pool, source.origin)
+                added.append(pools.add_backend(url, source.pool))
+            elif b.pool != source.pool and url not in old:
+                log.warning("backend %s is already in the %s pool; not adding it to %s", url, b.pool,
+                            source.pool)
+    return added
+
 
 class Discovery:
     """Re-resolves every named pool entry each `discovery_interval` and adds/removes backends to match.
@@ -97,25 +156,7 @@ class Discovery:
     async def refresh(self) -> None:
         """One round: resolve every name, then apply all changes with no await in between."""
         answers = await asyncio.gather(*(self._resolve(n) for n in self.names))
-        added: list[Backend] = []
-        for name, members in zip(self.names, answers, strict=True):
-            if members is None or members == name.members:
-                continue
-            # Another name may still list an address this one dropped: it stays while anyone lists it.
-            kept = {u for other in self.names if other is not name for u in other.members} | self.static
-            for url in sorted(name.members - members - kept):
-                log.info("backend %s (%s) left %s", url, name.pool, urlsplit(name.url).hostname)
-                self.pools.remove_backend(url)
-            for url in sorted(members - name.members):
-                b = self.pools.by_url.get(url)
-                if b is not None and b.pool != name.pool:
-                    log.warning("backend %s is already in the %s pool; not adding it to %s", url, b.pool,
-                                name.pool)
-                    continue
-                if b is None:
-                    log.info("backend %s (%s) joined from %s", url, name.pool, urlsplit(name.url).hostname)
-                    added.append(self.pools.add_backend(url, name.pool))
-            name.members = members
+        added = apply_answers(self.pools, self.names, answers, self.static)
         if self.on_added is not None and added:
             # Probe newcomers at once rather than at the next health round: they carry no traffic until then.
             await asyncio.gather(*(self.on_added(b) for b in added))

@@ -55,6 +55,8 @@ def _ejection(b: Backend) -> str:
 
 def summary(backends: list[Backend], limit: int = 4) -> str:
     """`URL (pool): last probe result; ...` for a 503 message, at most `limit` backends named."""
+    if not backends:  # discovery found none yet (its API or DNS unreachable, a pool at zero)
+        return "no backend configured or discovered yet"
     parts = [f"{b.url} ({b.pool}): {b.state()}, {b.last_probe}" for b in backends[:limit]]
     if len(backends) > limit:
         parts.append(f"{len(backends) - limit} more on /ready")

@@ -62,6 +62,10 @@ class Metrics:
         self.discovery_failures = Counter("router_discovery_failures_total",
                                           "DNS re-resolutions of a pool entry that failed or returned no address",
                                           ["pool"], registry=registry)
+        self.k8s_errors = Counter("router_k8s_discovery_errors_total",
+                                  "Reads of an InferencePool or its pods that failed (the last known backends are "
+                                  "kept), by reason: unauthorized, forbidden, not_found, http_error, unreachable, "
+                                  "bad_answer", ["inference_pool", "reason"], registry=registry)
         self.backends = Gauge("router_backends", "Backends currently configured or discovered per pool",
                               ["pool"], registry=registry)
         self.upstream_wait = Histogram("router_upstream_wait_seconds",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -65,6 +66,33 @@ def _check_url(url: str) -> str:
 
 
 UrlList = Annotated[list[str], NoDecode]
+
+# Kubernetes object names (DNS-1123 subdomain), namespaces (DNS-1123 label) and label keys ([prefix/]name).
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_K8S_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_POOL_NAMES = ("speculative", "baseline")
+
+
+def parse_pool_ref(entry: str) -> tuple[str | None, str, str | None]:
+    """`[NAMESPACE/]NAME[=POOL]` -> (namespace or None, name, pool or None); ValueError names what is wrong."""
+    ref, _, pool = entry.strip().partition("=")
+    namespace, _, name = ref.rpartition("/")
+    if not _K8S_NAME.match(name) or (namespace and not _K8S_NAMESPACE.match(namespace)):
+        raise ValueError(f"bad InferencePool {entry!r} (expected [NAMESPACE/]NAME[=POOL], lowercase DNS names)")
+    if pool and pool not in _POOL_NAMES:
+        raise ValueError(f"InferencePool {entry!r}: pool must be speculative or baseline")
+    if "=" in entry and not pool:
+        raise ValueError(f"InferencePool {entry!r}: nothing after =")
+    return namespace or None, name, pool or None
+
+
+def _pool_ref_text(entry: dict[str, Any]) -> str:
+    unknown = set(entry) - {"name", "namespace", "pool"}
+    if unknown or not isinstance(entry.get("name"), str):
+        raise ValueError(f"an InferencePool mapping takes name, namespace and pool, got {sorted(entry)}")
+    text = f"{entry['namespace']}/{entry['name']}" if entry.get("namespace") else entry["name"]
+    return f"{text}={entry['pool']}" if entry.get("pool") else text
 CurveSetting = Annotated[tuple[tuple[float, float], ...] | None, NoDecode]
 
 
@@ -239,6 +267,35 @@ class Settings(BaseSettings):
     epp_endpoints: int = Field(1, ge=1, le=8, description="spec-router epp: endpoints named per request, the "
                                "picked one first, then fallbacks in retry order (Envoy's ORIGINAL_DST cluster "
                                "reads one)")
+    epp_response_body: Literal["stream", "none"] = Field(
+        "stream", description="spec-router epp: what it reads of each response. stream: every body chunk, full "
+        "duplex (deploy/envoy/envoy.yaml): first token, usage and [DONE] feed the learned speeds; it costs a gRPC "
+        "round trip through the picker per chunk. none: the response headers and the end of the ext_proc stream "
+        "only (deploy/envoy/envoy-headers.yaml): 2 messages fewer per request, but no time to first token and no "
+        "token counts, so the adaptive policy's speeds and the prefill figures stay unlearned, and a stream cut "
+        "mid-way ends as a success. Envoy's own report of its body mode wins over this (docs/DEPLOY.md)")
+
+    # InferencePool discovery (router.k8s): the Gateway API Inference Extension's pool of model servers, read from
+    # the Kubernetes API; docs/DEPLOY.md, "Backends from the InferencePool".
+    k8s_inference_pools: UrlList = Field(
+        default_factory=list, json_schema_extra={"metavar": "[NS/]NAME[=POOL]"},
+        description="InferencePools whose ready pods are backends, each "
+        "[NAMESPACE/]NAME[=POOL] (YAML: also {name, namespace, pool}); without =POOL each pod's k8s_pool_label "
+        "names its pool (speculative or baseline)")
+    k8s_namespace: str | None = Field(None, description="namespace of the k8s_inference_pools entries that name "
+                                      "none (in a pod: the downward API's metadata.namespace)")
+    k8s_pool_label: str = Field("app.kubernetes.io/component", description="pod label whose value (speculative "
+                                "or baseline) puts the pod in that pool, for an InferencePool given without =POOL")
+    k8s_api: str | None = Field(None, json_schema_extra={"metavar": "URL"}, description="URL of the Kubernetes "
+                                "API (default in a pod: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)")
+    k8s_token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token",
+                                json_schema_extra={"metavar": "FILE"}, description="bearer "
+                                "token for the Kubernetes API, re-read every round (none sent when absent)")
+    k8s_ca_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                             json_schema_extra={"metavar": "FILE"}, description="CA bundle "
+                             "that signed the Kubernetes API's certificate (system CAs when absent)")
+    k8s_interval: float = Field(5.0, gt=0, description="seconds between reads of the InferencePools and their "
+                                "pods")
 
     @field_validator("speculative", "baseline", mode="before")
     @classmethod
@@ -252,6 +309,29 @@ class Settings(BaseSettings):
         if len(set(urls)) != len(urls):
             raise ValueError("a backend URL is listed twice")
         return urls
+
+    @field_validator("k8s_inference_pools", mode="before")
+    @classmethod
+    def _pool_refs_in(cls, value: Any) -> Any:
+        # YAML may give mappings {name, namespace, pool}: the same entry as NAMESPACE/NAME=POOL.
+        value = _split_urls(value)
+        if isinstance(value, list):
+            return [_pool_ref_text(v) if isinstance(v, dict) else v for v in value]
+        return value
+
+    @field_validator("k8s_inference_pools")
+    @classmethod
+    def _valid_pool_refs(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            parse_pool_ref(entry)
+        if len(set(value)) != len(value):
+            raise ValueError("an InferencePool is listed twice")
+        return value
+
+    @field_validator("k8s_api")
+    @classmethod
+    def _valid_k8s_api(cls, value: str | None) -> str | None:
+        return None if value is None else _check_url(value)
 
     @field_validator("slo_tiers", mode="before")
     @classmethod
@@ -280,14 +360,28 @@ class Settings(BaseSettings):
             return None
         return self.speculative_curve, self.baseline_curve
 
+    def _check_k8s(self) -> None:
+        if self.discovery == "dns":
+            # Two discoveries could list one address and each remove it while the other still lists it.
+            raise ValueError("k8s_inference_pools and discovery dns: choose one")
+        if self.k8s_api is None:
+            raise ValueError("k8s_inference_pools needs k8s_api, the Kubernetes API's URL (in a pod it comes "
+                             "from KUBERNETES_SERVICE_HOST)")
+        if self.k8s_namespace is None and any(parse_pool_ref(e)[0] is None for e in self.k8s_inference_pools):
+            raise ValueError("k8s_inference_pools entry without NAMESPACE/ needs k8s_namespace")
+        if not _LABEL_KEY.match(self.k8s_pool_label):
+            raise ValueError(f"k8s_pool_label {self.k8s_pool_label!r} is not a Kubernetes label key")
+
     def outlier(self) -> OutlierConfig:
         return OutlierConfig(self.eject_consecutive_errors, self.eject_base_seconds, self.eject_max_seconds,
                              self.eject_trial_requests)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if not self.speculative and not self.baseline:
+        if not self.speculative and not self.baseline and not self.k8s_inference_pools:
             raise ValueError("no backend configured: give --speculative URL and/or --baseline URL")
+        if self.k8s_inference_pools:
+            self._check_k8s()
         both = set(self.speculative) & set(self.baseline)
         if both:
             raise ValueError(f"backend {sorted(both)[0]} is in both pools")
@@ -370,6 +464,11 @@ def load_settings(config_file: str | None = None, overrides: dict[str, Any] | No
         flags = _new_names({k: v for k, v in (overrides or {}).items() if v is not None})
         data.update(flags)
         origin.update({k: "--" + k.replace("_", "-") for k in flags})
+        if data.get("k8s_inference_pools") and not data.get("k8s_api") and env.get("KUBERNETES_SERVICE_HOST"):
+            # In a pod: the API server's address as the kubelet gives it to every container.
+            host = env["KUBERNETES_SERVICE_HOST"]
+            data["k8s_api"] = (f"https://{f'[{host}]' if ':' in host else host}:"
+                               f"{env.get('KUBERNETES_SERVICE_PORT', '443')}")
         # Only init values are used: the environment was read above, from `env`, exactly once.
         return Settings.model_validate(data)
     except ValidationError as exc:

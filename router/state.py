@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.discovery import Discovery, Resolver
+from router.discovery import BackendDiscovery, Resolver
 from router.exporter import PoolGauges
 from router.health import HealthChecker
 from router.metrics import Metrics
@@ -28,7 +28,7 @@ class RouterState:
     exchanges: set = field(default_factory=set, repr=False)
     acceptor: object | None = field(default=None, repr=False)  # router.accept.Acceptor of the main listener
     resolver: Resolver | None = field(default=None, repr=False)  # discovery's DNS seam (None: the system's)
-    discovery: Discovery | None = None
+    discovery: BackendDiscovery | None = None  # DNS names or InferencePools (router.app.build_discovery)
     gauges: PoolGauges | None = field(default=None, repr=False)  # binds the gauges of a backend that joins
 
 

@@ -20,6 +20,8 @@ __all__ = ["EPP_SKIP", "EppStack", "envoy_binary", "epp_factory", "need_epp"]
 
 REPO = Path(__file__).resolve().parents[1]
 ENVOY_TEMPLATE = REPO / "deploy/envoy/envoy.yaml"
+# The Envoy configuration that goes with each epp_response_body.
+ENVOY_TEMPLATES = {"stream": ENVOY_TEMPLATE, "none": REPO / "deploy/envoy/envoy-headers.yaml"}
 ENVOY_START_S = 30.0  # Envoy's start on a busy 2-core machine
 
 
@@ -97,10 +99,11 @@ async def _listener_port(admin: str, within: float) -> int:
 FAIL_CLOSED = "failure_mode_allow: false"
 
 
-def spawn_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False) -> subprocess.Popen:
-    """Envoy on port 0 with deploy/envoy/envoy.yaml filled in (`failure_mode_allow`: the config's one setting
-    flipped); its admin address goes to envoy-admin.txt."""
-    text = Template(ENVOY_TEMPLATE.read_text()).substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port)
+def spawn_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False,
+                template: Path = ENVOY_TEMPLATE) -> subprocess.Popen:
+    """Envoy on port 0 with `template` (deploy/envoy/envoy.yaml) filled in (`failure_mode_allow`: the config's one
+    setting flipped); its admin address goes to envoy-admin.txt."""
+    text = Template(template.read_text()).substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port)
     assert text.count(FAIL_CLOSED) == 1, "deploy/envoy/envoy.yaml sets failure_mode_allow once"
     if failure_mode_allow:
         text = text.replace(FAIL_CLOSED, "failure_mode_allow: true")
@@ -114,10 +117,10 @@ def spawn_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False) -> s
                                 stdout=subprocess.DEVNULL, stderr=log)
 
 
-async def start_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False
-                      ) -> tuple[subprocess.Popen, str, int]:
+async def start_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False,
+                      template: Path = ENVOY_TEMPLATE) -> tuple[subprocess.Popen, str, int]:
     """Envoy started and listening; returns the process, its admin address and its listener port."""
-    proc = spawn_envoy(tmp, epp_port, failure_mode_allow)
+    proc = spawn_envoy(tmp, epp_port, failure_mode_allow, template)
     try:
         admin = await _wait_admin(tmp / "envoy-admin.txt", proc, tmp / "envoy.log", ENVOY_START_S)
         port = await _listener_port(admin, ENVOY_START_S)
@@ -131,8 +134,9 @@ async def start_envoy(tmp: Path, epp_port: int, failure_mode_allow: bool = False
 @pytest.fixture
 async def epp_factory(tmp_path, caplog):
     """`await epp_factory(speculative=[url], baseline=[url], envoy=True, wait_ready=True, resolver=None,
-    failure_mode_allow=False, **settings)` -> EppStack (`resolver`: router.discovery.Resolver for discovery="dns";
-    `failure_mode_allow`: Envoy's ext_proc setting).
+    failure_mode_allow=False, envoy_config=None, **settings)` -> EppStack (`resolver`: router.discovery.Resolver
+    for discovery="dns"; `failure_mode_allow`: Envoy's ext_proc setting; `envoy_config`: "stream" or "none", the
+    Envoy configuration of that epp_response_body, by default the one that goes with the picker's setting).
     Teardown stops Envoy and the picker and fails the test if an in-flight count went below 0."""
     if EPP_SKIP is not None:
         pytest.skip(EPP_SKIP)
@@ -141,7 +145,7 @@ async def epp_factory(tmp_path, caplog):
     stacks: list[EppStack] = []
 
     async def make(speculative=(), baseline=(), *, envoy: bool = True, wait_ready: bool = True, resolver=None,
-                   failure_mode_allow: bool = False, **settings) -> EppStack:
+                   failure_mode_allow: bool = False, envoy_config: str | None = None, **settings) -> EppStack:
         values = {**TEST_DEFAULTS, "host": "127.0.0.1", "epp_port": 0, **settings,
                   "speculative": ",".join(speculative), "baseline": ",".join(baseline)}
         epp = Epp(load_settings(None, values, environ={}), resolver=resolver)
@@ -154,7 +158,8 @@ async def epp_factory(tmp_path, caplog):
         if envoy:
             d = tmp_path / f"envoy{len(stacks)}"
             d.mkdir()
-            stack.envoy, stack.admin, listen = await start_envoy(d, port, failure_mode_allow)
+            template = ENVOY_TEMPLATES[envoy_config or epp.settings.epp_response_body]
+            stack.envoy, stack.admin, listen = await start_envoy(d, port, failure_mode_allow, template)
             stack.url = f"http://127.0.0.1:{listen}"
         return stack
 

@@ -75,10 +75,10 @@ SUMMARY = {"c1_req_per_s": 1000.0, "c1_p50_ms": 1.0, "high_req_per_s": 3000.0, "
 @pytest.mark.parametrize("router, other, expected", [
     (SUMMARY, dict(SUMMARY, c1_req_per_s=4000.0, c1_p50_ms=0.25, high_req_per_s=6000.0, stream_ttfb_p50_ms=1.5,
                    chunks_per_s=240_000.0, kib_per_idle_stream=None),
-     {"c1_req_per_s_ratio": 0.25, "high_req_per_s_ratio": 0.5, "c1_p50_added_ms": 0.75,
+     {"c1_req_per_s_ratio": 0.25, "high_req_per_s_ratio": 0.5, "c1_p50_added_ms": 0.75, "high_p50_added_ms": 0.0,
       "stream_ttfb_added_ms": 0.5, "chunks_per_s_ratio": 0.5, "kib_per_idle_stream_ratio": None}),
     (dict(SUMMARY, c1_req_per_s=None), dict(SUMMARY, high_req_per_s=0.0),
-     {"c1_req_per_s_ratio": None, "high_req_per_s_ratio": None, "c1_p50_added_ms": 0.0,
+     {"c1_req_per_s_ratio": None, "high_req_per_s_ratio": None, "c1_p50_added_ms": 0.0, "high_p50_added_ms": 0.0,
       "stream_ttfb_added_ms": 0.0, "chunks_per_s_ratio": 1.0, "kib_per_idle_stream_ratio": 1.0}),
 ])
 def test_compare_gives_ratios_for_rates_and_added_ms_for_latencies(router, other, expected):
@@ -160,7 +160,7 @@ def test_overhead_end_to_end_tiny(tmp_path):
     assert router["c1_req_per_s"] == round(sum(rates) / 2, 3)  # the median of two
     assert data["targets"]["router"]["spread"]["c1_req_per_s"] == [min(rates), max(rates)]
     assert set(data["router_vs_direct"]) == {"c1_req_per_s_ratio", "high_req_per_s_ratio", "c1_p50_added_ms",
-                                             "stream_ttfb_added_ms", "chunks_per_s_ratio",
+                                             "high_p50_added_ms", "stream_ttfb_added_ms", "chunks_per_s_ratio",
                                              "kib_per_idle_stream_ratio"}
     assert len(data["goals"]) == 5
     table = r.stdout
@@ -236,12 +236,20 @@ def test_overhead_envoy_and_envoy_with_the_picker_tiny(tmp_path):
     if overhead.envoy_path() is None:
         pytest.skip("Envoy not installed (the epp extra)")
     out = tmp_path / "o.json"
-    r = _run([*TINY, "--targets", "envoy,envoy+epp", "--repeat", "1", "--json", str(out)], timeout=110)
+    r = _run([*TINY, "--targets", "envoy,envoy+epp,envoy+epp-headers", "--repeat", "1", "--json", str(out)],
+             timeout=110)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    for name in ("envoy", "envoy+epp"):
+    for name in ("envoy", "envoy+epp", "envoy+epp-headers"):
         s = data["targets"][name]["summary"]
         assert s["c1_req_per_s"] > 0 and s["chunks_per_s"] > 0 and s["kib_per_idle_stream"] is None
         assert all(p["errors"] == 0 for figs in data["targets"][name]["runs"] for p in figs.values())
     assert data["epp_vs_envoy"]["c1_req_per_s_ratio"] > 0
+    assert data["epp_headers_vs_envoy"]["c1_req_per_s_ratio"] > 0
     assert "| envoy+epp vs envoy alone |" in r.stdout and data["goals"] == []
+    assert "| envoy+epp-headers vs envoy alone |" in r.stdout
+    # the picker's and Envoy's CPU per request at the high concurrency, each measured
+    for name in ("envoy+epp", "envoy+epp-headers"):
+        s = data["targets"][name]["summary"]
+        assert s["high_cpu_us_per_request_picker"] > 0 and s["high_cpu_us_per_request_envoy"] > 0
+    assert "CPU per request at c=8 (Envoy" in r.stdout

@@ -3,6 +3,7 @@ recommending a deployment that does not fit."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -93,6 +94,29 @@ def test_a_shape_file_plans_like_its_preset(capsys, tmp_path):
     strip = [ln for ln in out.splitlines() if not ln.startswith("predicted by")]
     strip2 = [ln for ln in out2.splitlines() if not ln.startswith("predicted by")]
     assert strip == strip2
+
+
+@pytest.mark.parametrize("shape, preset", [("LLAMA_70B", "llama70b-h200-nvlink"), ("KIMI_K25", "kimi-k25-h200-nvlink")])
+def test_a_shape_file_on_a_hopper_gpu_takes_the_hopper_calibration(capsys, tmp_path, shape, preset):
+    # the H200 presets' measured calibration by model class (dense / MoE), not the seed box's: the same plan
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps(getattr(presets, shape).model_dump(mode="json")))
+    rc, out, _ = run(capsys, "--shape", str(f), "--gpu", "h200", "--interconnect", "nvlink")
+    rc2, out2, _ = run(capsys, "--preset", preset)
+    assert rc == rc2 == 0
+    strip = [ln for ln in out.splitlines() if not ln.startswith("predicted by")]
+    assert strip == [ln for ln in out2.splitlines() if not ln.startswith("predicted by")]
+
+
+def test_the_calibration_follows_the_gpu_and_the_model_class():
+    moe, dense = presets.KIMI_K25, presets.LLAMA_70B
+    assert presets.calibration(presets.H200, moe) == presets.HOPPER_MOE_CAL
+    assert presets.calibration(presets.H200, dense) == presets.HOPPER_DENSE_CAL
+    assert presets.calibration(presets.RTX_PRO_6000, moe) == presets.calibration(presets.RTX_PRO_6000, dense) \
+        == presets.SEED_CAL
+    assert presets.HOPPER_MOE_CAL != presets.HOPPER_DENSE_CAL != presets.SEED_CAL
+    for box in presets.BOXES.values():
+        assert box.cal == presets.calibration(box.gpu, box.shape), box.name
 
 
 def test_tp4_step_ratio_and_interconnect_are_inputs(capsys):
@@ -230,3 +254,37 @@ def test_plan_says_uncertain_where_the_winner_changes_and_carries_each_range(cap
 def test_bad_range_flags_one_line_exit_2(capsys, argv, msg):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and msg in err and err.count("\n") == 1 and out == ""
+
+
+def _bands(line: str) -> dict[tuple[int, ...], str]:
+    """`c=1: X; c=2-5: Y` -> {(1,): X, (2, 5): Y} (a band's first and last level)."""
+    out = {}
+    for band in line.split("; "):
+        head, text = band.split(": ", 1)
+        out[tuple(int(x) for x in head.removeprefix("c=").split("-"))] = text
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(presets.BOXES) + sorted(presets.ALIASES))
+def test_every_preset_plans_with_ranges_and_says_uncertain_where_the_winner_flips(capsys, preset):
+    rc, out, _ = run(capsys, "--preset", preset)
+    assert rc == 0
+    adv = _advise(preset)
+    lines = out.splitlines()
+    for prefix, choices in (("RUN (throughput): ", adv.tput_choices), ("RUN (latency, ", adv.latency_choices)):
+        line = next(ln for ln in lines if ln.startswith(prefix))
+        bands = _bands(line.split("): ", 1)[1])
+        levels = list(adv.inputs.levels)
+        covered = []
+        for span, text in bands.items():
+            inside = levels[levels.index(span[0]):levels.index(span[-1]) + 1]
+            covered += inside
+            ch = choices[inside[0]]
+            assert all(choices[c] == ch for c in inside), (preset, span)
+            assert text.startswith("uncertain: ") == (len(ch) > 1), (preset, span, text)
+            for name in ch:
+                assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), (preset, name, text)
+            if ch[0] != "baseline":  # the first-named setting carries its range
+                assert re.search(rf"{re.escape(ch[0])} \d+\.\d\d(-\d+\.\d\d)?x", text), (preset, text)
+        assert covered == levels, preset
+    assert "the model's held-out error" in out

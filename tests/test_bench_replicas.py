@@ -8,12 +8,15 @@ import pytest
 
 from bench.__main__ import main as bench_main
 from bench.lab import replicas
+from tests.fixtures_epp import need_epp
 
 
+# epp: the replicas are pickers behind one Envoy; the same agreement through /v1/loads must hold.
 @pytest.mark.timeout(300)
-def test_replicas_small_run(tmp_path, capsys):
+@pytest.mark.parametrize("front", ["proxy", pytest.param("epp", marks=need_epp)])
+def test_replicas_small_run(tmp_path, capsys, front):
     out = tmp_path / "rep"
-    rc = replicas.main(["--replicas", "2", "--speculative", "1", "--baseline", "1", "--threshold", "2",
+    rc = replicas.main(["--front", front, "--replicas", "2", "--speculative", "1", "--baseline", "1", "--threshold", "2",
                         "--concurrency", "12", "--duration", "4", "--ramp", "0.5", "--max-tokens", "24", "--speedup", "1",
                         "--load-interval", "0.2", "--out", str(out)])
     printed = capsys.readouterr().out
@@ -39,7 +42,7 @@ def test_replicas_small_run(tmp_path, capsys):
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--signals", "both"], "--signals"), (["--replicas", "0"], "--replicas"),
     (["--duration", "0"], "--duration"), (["--duration", "5", "--ramp", "5"], "--ramp"), (["--load-interval", "-1"], "--load-interval"),
-    (["--concurrency", "x"], "invalid int"), (["--prompts", "/nonexistent.jsonl"], "nonexistent")])
+    (["--concurrency", "x"], "invalid int"), (["--front", "gateway"], "--front"), (["--prompts", "/nonexistent.jsonl"], "nonexistent")])
 def test_replicas_bad_flags_are_one_line(argv, fragment, capsys):
     assert bench_main(["replicas", *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -51,6 +51,23 @@ def test_a_switch_shows_its_values_and_takes_them():
     assert parse(["serve", "--speculative", "http://127.0.0.1:1", "--prefix-routing", "false"]).prefix_routing is False
 
 
+@pytest.mark.parametrize("command", ["serve", "epp"])
+def test_list_flags_show_the_form_of_their_entries(capsys, command):
+    # Backend lists take URLs; the InferencePool list takes references, not URLs (the help said URL for both).
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the usage block where it likes
+    for shown in ("--speculative URL", "--baseline URL", "--k8s-inference-pools [NS/]NAME[=POOL]",
+                  "--k8s-api URL", "--k8s-token-file FILE", "--k8s-ca-file FILE"):
+        assert f"[{shown}]" in out and f"{shown} " in out.split("options:")[1], shown
+    assert "--k8s-inference-pools URL" not in out
+    # the flag still takes entries in that form, repeated or comma-separated
+    s = parse([command, "--k8s-api", "http://127.0.0.1:8001", "--k8s-inference-pools", "ns/a=speculative,b",
+               "--k8s-inference-pools", "ns/c", "--k8s-namespace", "llm"])
+    assert s.k8s_inference_pools == ["ns/a=speculative", "b", "ns/c"]
+
+
 def test_a_bare_command_prints_short_usage_to_stderr_and_exits_2():
     r = subprocess.run([sys.executable, "-m", "router"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""

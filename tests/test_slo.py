@@ -70,6 +70,18 @@ def test_tpot_line_is_the_least_squares_line_of_what_ran_and_the_prior_until_mea
     assert falling.tpot_at("baseline", 20) == pytest.approx(0.015, rel=0.01)
 
 
+def test_one_measured_stream_replaces_the_prior():
+    """The prior is in real seconds (20 ms); a cold router's first measured stream is nearer whatever the servers
+    (on simulators 20x fast, ten times nearer). It held until the third stream: the forgetting kept the weight of
+    two below 2."""
+    fig = Figures()
+    fig.observe(stream("speculative", 1, 0.002))
+    assert fig.tpot_at("speculative", 4) == pytest.approx(0.002, rel=1e-9)
+    fig.observe(stream("speculative", 1, 0.004))
+    assert fig.tpot_at("speculative", 4) == pytest.approx((0.98 * 0.002 + 0.004) / 1.98, rel=1e-9)
+    assert fig.tpot_at("baseline", 4) == PRIOR_TPOT_S
+
+
 def test_ttft_is_the_prefix_scorers_queue_plus_this_prompts_uncached_prefill():
     fig = Figures()
     c = fig.costs("baseline")
@@ -89,17 +101,26 @@ def test_ttft_is_the_prefix_scorers_queue_plus_this_prompts_uncached_prefill():
     assert lat.ttft(full, full.view.backends[0], 0) == pytest.approx(0.03 + 2 * slot / 2)
 
 
-def test_tpot_comes_from_the_adaptive_speed_model_once_it_has_one():
+def test_tpot_is_the_decode_time_per_token_whatever_the_policy_not_the_speed_models_whole_duration():
+    """The adaptive policy's speed model learns seconds per token of the whole duration, time to first token
+    included (router.estimator.sample: what closed-loop throughput needs); a request's TPOT is its decode alone.
+    With long prompts (a second of prefill before 100 tokens at 5 ms) the two differ twofold and more."""
     fig = Figures()
-    for _ in range(5):
-        fig.observe(stream("speculative", 1.0, 0.5))
+    pol = Adaptive()
+    pol.share_figures(fig)
+    for _ in range(40):  # decode 0.004 + 0.001 n seconds a token, each after a 1 s prefill
+        for n in (1.0, 5.0):
+            obs = stream("speculative", n, 0.004 + 0.001 * n, ttft=1.0)
+            fig.observe(obs)
+            pol.observe(obs)
+    pol.learn()
     lat = Latency(fig)
-    pol = Adaptive(priors={"speculative": (0.004, 0.002)})
-    s = snap([BackendLoad("s", "speculative", 3, True), BackendLoad("b", "baseline", 3, True)], Targets(tpot_s=1))
+    s = snap([BackendLoad("s", "speculative", 2, True), BackendLoad("b", "baseline", 2, True)], Targets(tpot_s=1))
     spec, base = s.view.backends
-    assert lat.tpot(spec, pol) == pytest.approx(0.004 + 0.002 * 4)  # its model at load + 1
-    assert lat.tpot(base, pol) == PRIOR_TPOT_S  # no model for the baseline pool yet: the figures' prior
-    assert lat.tpot(spec, LeastInflight()) == pytest.approx(0.5)  # a fixed policy: the figures' line
+    assert pol.speeds.key(spec) is not None  # the speed model is measured: the old prediction read it
+    assert lat.tpot(spec, pol) == pytest.approx(0.004 + 0.001 * 3, rel=1e-6)  # the decode line at load + 1
+    assert lat.tpot(spec, LeastInflight()) == lat.tpot(spec, pol)  # the same whatever the policy
+    assert lat.tpot(base, pol) == PRIOR_TPOT_S  # baseline not measured yet: the figures' prior
 
 
 # ---- the choice

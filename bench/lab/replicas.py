@@ -3,6 +3,8 @@
 One closed-loop client spreads its requests over the replicas; the speculative simulators' own running +
 queued counts are sampled over time and compared with the pool's threshold (spillover: threshold x
 speculative instances). Reports overshoot (max, p99, share of samples above) and throughput per signal.
+`--front epp`: the replicas are `spec-router epp` pickers behind one Envoy (deploy/envoy/envoy.yaml, its picker
+cluster holding every replica, round robin per request), as a gateway's Envoy reaches a picker Service.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import csv
 import itertools
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+import yaml
 
 from bench import procs
 from bench.cli import ArgError, NotServing, parser, run_async, wait_serving
@@ -24,6 +28,7 @@ from bench.figures import percentile
 from bench.load import RequestRecord, build_body, load_prompts, stream_one
 
 SIGNALS = ("backend", "local")
+FRONTS = ("proxy", "epp")
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Config:
     speculative_profile: str = "eagle3-tp4"
     baseline_profile: str = "baseline-tp4"
     prompts: str = "general"
+    front: str = "proxy"
     out: str | None = None
 
 
@@ -82,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-profile", default=d.baseline_profile,
                    help=f"simulator profile of the baseline servers (default {d.baseline_profile})")
     p.add_argument("--prompts", default=d.prompts, help="built-in prompt set or JSONL file (default general)")
+    p.add_argument("--front", choices=FRONTS, default=d.front,
+                   help="proxy: `spec-router serve` replicas, the client round-robin over them; epp: `spec-router "
+                        "epp` replicas behind one Envoy (the envoy extra), the client sending to Envoy (default proxy)")
     p.add_argument("--out", help="directory for replicas.json, replicas.csv (samples) and replicas.md")
     return p
 
@@ -106,7 +115,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
                   concurrency=ns.concurrency, duration=ns.duration, ramp=ns.ramp, max_tokens=ns.max_tokens, speedup=ns.speedup,
                   load_interval=ns.load_interval, sample_interval=ns.sample_interval, signals=signals,
                   speculative_profile=ns.speculative_profile, baseline_profile=ns.baseline_profile,
-                  prompts=ns.prompts, out=ns.out)
+                  prompts=ns.prompts, front=ns.front, out=ns.out)
 
 
 async def _running(session: aiohttp.ClientSession, url: str) -> int | None:
@@ -168,15 +177,63 @@ def run_signal(cfg: Config, signal: str) -> SignalRun:
                 for i in range(cfg.baseline)]
         flags = ["--load-signal", signal, "--load-interval", f"{cfg.load_interval:g}", "--log-level", "warning",
                  "--health-interval", "1"]
-        routers = [group.add(procs.start_router([p.url for p in spec], [p.url for p in base], "spillover",
-                                                cfg.threshold, name=f"router {signal} {i}", extra=flags))
-                   for i in range(cfg.replicas)]
-        for r in routers:
-            run_async(wait_serving(r.url, within=20.0, every_backend=True))
+        if cfg.front == "epp":
+            routers = [start_epp_front(group, cfg, [p.url for p in spec], [p.url for p in base], flags, signal)]
+        else:
+            routers = [group.add(procs.start_router([p.url for p in spec], [p.url for p in base], "spillover",
+                                                    cfg.threshold, name=f"router {signal} {i}", extra=flags))
+                       for i in range(cfg.replicas)]
+            for r in routers:
+                run_async(wait_serving(r.url, within=20.0, every_backend=True))
         run_async(drive(cfg, run, [r.url for r in routers], [p.url for p in spec]))
         run.spec_requests = run_async(_served([p.url for p in spec]))
         run.base_requests = run_async(_served([p.url for p in base])) if base else 0
     return run
+
+
+def start_epp_front(group: procs.ProcGroup, cfg: Config, spec: list[str], base: list[str], flags: list[str],
+                    signal: str) -> procs.Proc:
+    """`cfg.replicas` pickers and one Envoy whose picker cluster holds them all; returns Envoy (its URL)."""
+    from bench.overhead import OverheadError, envoy_config, start_envoy
+
+    ports = []
+    for i in range(cfg.replicas):
+        args = ["router", "epp", "--policy", "spillover", "--threshold", str(cfg.threshold), "--host", "127.0.0.1",
+                "--epp-port", "0", *flags]
+        for u in spec:
+            args += ["--speculative", u]
+        for u in base:
+            args += ["--baseline", u]
+        picker = group.add(procs.start(f"epp {signal} {i}", args))
+        ports.append(int(picker.url.rpartition(":")[2]))
+    config = yaml.safe_load(envoy_config(spec[0], ports[0]))
+    (epp,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "epp"]
+    epp["lb_policy"] = "ROUND_ROBIN"
+    epp["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+        for port in ports]}]
+    tmp = Path(tempfile.mkdtemp(prefix="replicas-envoy-"))
+    try:
+        envoy = group.add(start_envoy(f"envoy-{signal}", yaml.safe_dump(config), tmp))
+    except OverheadError as exc:
+        raise procs.ProcError(str(exc)) from None
+    run_async(wait_picked(envoy.url, within=30.0))
+    return envoy
+
+
+async def wait_picked(url: str, within: float) -> None:
+    """Until a request through Envoy is answered by a backend (every picker has probed its backends)."""
+    deadline = time.monotonic() + within
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/v1/models") as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise NotServing(f"Envoy + pickers at {url}: no backend answered within {within:g}s")
 
 
 def figures(cfg: Config, run: SignalRun) -> dict:
@@ -205,9 +262,13 @@ def figures(cfg: Config, run: SignalRun) -> dict:
 
 
 def render(cfg: Config, rows: list[dict]) -> str:
-    lines = [f"{cfg.replicas} router replicas (spillover, threshold {cfg.threshold} per instance), "
+    front = ("router replicas" if cfg.front == "proxy"
+             else "`spec-router epp` replicas behind one Envoy (round robin over the pickers)")
+    lines = [f"{cfg.replicas} {front} (spillover, threshold {cfg.threshold} per instance), "
              f"{cfg.speculative} x {cfg.speculative_profile} + {cfg.baseline} x {cfg.baseline_profile} simulators, "
-             f"{cfg.concurrency} closed-loop clients round-robin over the replicas (started over {cfg.ramp:g} s), "
+             f"{cfg.concurrency} closed-loop clients "
+             f"{'round-robin over the replicas' if cfg.front == 'proxy' else 'sending to Envoy'} "
+             f"(started over {cfg.ramp:g} s), "
              f"{cfg.duration:g} s, "
              f"max_tokens {cfg.max_tokens}, speedup {cfg.speedup:g}, load_interval {cfg.load_interval:g} s",
              "",

@@ -1,5 +1,6 @@
 """The verdict map's tables from the committed runs in bench/results/verdict/ (demo-*.json: closed loop;
-trace-*.json: Kimi's trace). `.venv/bin/python bench/results/verdict_table.py` prints them as markdown."""
+trace-*.json: Kimi's trace). `.venv/bin/python bench/results/verdict_table.py` prints them as markdown: first the
+map's two summary tables with each cell's range (bench.verdictmap, as docs/BENCH.md carries them), then every run."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "verdict"
+sys.path.insert(0, str(HERE.parent.parent.parent))  # run as a script from anywhere: the checkout's bench package
 NOISE = 0.03
 TRACE_BAND = 0.10
 SHORT = {"tp8-baseline": "TP8 baseline", "tp8-eagle3": "TP8 EAGLE-3", "tp8-adaptive": "TP8 adaptive",
@@ -68,7 +70,9 @@ def trace_table(path: Path) -> list[str]:
 
 
 def main() -> int:
-    out: list[str] = []
+    from bench import verdictmap
+
+    out = verdictmap.summary_table(HERE) + [""] + verdictmap.map_table(HERE) + [""]
     for path in sorted(HERE.glob("demo-*.json")):
         out += demo_table(path) + [""]
     for path in sorted(HERE.glob("trace-*.json")):

@@ -143,21 +143,31 @@ HOPPER_DENSE_CAL = SEED_CAL.model_copy(update={"fixed_ms": 0.0, "layer_ms": 0.08
                                                "bw_efficiency": 0.90})
 
 
-def _box(name: str, shape: ModelShape, gpu: Gpu, link: Interconnect, description: str,
-         cal: Calibration = SEED_CAL) -> Box:
+# The GPUs whose step the Hopper measurement stands for (one H100 measured, the H200 boxes use it).
+HOPPER_GPUS = frozenset({H200.name})
+
+
+def calibration(gpu: Gpu, shape: ModelShape) -> Calibration:
+    """A box's calibration: on a Hopper GPU the measured Hopper one for the model's class (MoE or dense), on any
+    other the seed box's fit."""
+    if gpu.name in HOPPER_GPUS:
+        return HOPPER_MOE_CAL if shape.moe_layers else HOPPER_DENSE_CAL
+    return SEED_CAL
+
+
+def _box(name: str, shape: ModelShape, gpu: Gpu, link: Interconnect, description: str) -> Box:
     # The RTX PRO 6000 boxes share the seed box's fit; the H200 boxes take the Hopper calibration above.
-    return Box(name=name, shape=shape, gpu=gpu, gpus=8, link=link, cal=cal, description=description)
+    return Box(name=name, shape=shape, gpu=gpu, gpus=8, link=link, cal=calibration(gpu, shape),
+               description=description)
 
 
 BOXES: dict[str, Box] = {b.name: b for b in (
     _box(SEED_BOX_NAME, KIMI_K25, RTX_PRO_6000, PCIE_SEED, "the seed's box: Kimi K2.5 on 8x RTX PRO 6000 over PCIe"),
-    _box("kimi-k25-h200-nvlink", KIMI_K25, H200, NVLINK, "Kimi K2.5 on 8x H200 over NVLink", HOPPER_MOE_CAL),
-    _box("deepseek-v3-h200-nvlink", DEEPSEEK_V3, H200, NVLINK, "DeepSeek-V3 on 8x H200 over NVLink",
-         HOPPER_MOE_CAL),
+    _box("kimi-k25-h200-nvlink", KIMI_K25, H200, NVLINK, "Kimi K2.5 on 8x H200 over NVLink"),
+    _box("deepseek-v3-h200-nvlink", DEEPSEEK_V3, H200, NVLINK, "DeepSeek-V3 on 8x H200 over NVLink"),
     _box("llama70b-rtxpro6000-pcie", LLAMA_70B, RTX_PRO_6000, PCIE_SEED,
          "Llama-3.3-70B + EAGLE-3 on 8x RTX PRO 6000 over PCIe (the compose default on the seed's box)"),
-    _box("llama70b-h200-nvlink", LLAMA_70B, H200, NVLINK, "Llama-3.3-70B + EAGLE-3 on 8x H200 over NVLink",
-         HOPPER_DENSE_CAL),
+    _box("llama70b-h200-nvlink", LLAMA_70B, H200, NVLINK, "Llama-3.3-70B + EAGLE-3 on 8x H200 over NVLink"),
 )}
 ALIASES = {"seed": SEED_BOX_NAME, "compose": "llama70b-rtxpro6000-pcie"}
 

@@ -65,8 +65,9 @@ class TpotLine:
         self.sny = self.sny * f + n * y
 
     def at(self, n: float, cold: float) -> float:
-        """Predicted seconds per token at n running; `cold` until two samples came."""
-        if self.w < 2.0:
+        """Predicted seconds per token at n running; `cold` until a sample came (the prior is in real seconds: a
+        first measured stream is nearer on any server)."""
+        if self.w < 1.0:
             return cold
         mn, my = self.sn / self.w, self.sy / self.w
         var = self.snn / self.w - mn * mn
@@ -141,6 +142,8 @@ class Figures:
         if tokens and obs.ok:
             self.output_tokens = _ewma(self.output_tokens, float(tokens))
         if obs.ok and obs.ttft_s is not None and tokens and tokens > 1 and obs.duration_s > obs.ttft_s:
+            # The mean in flight over its life, not the load it came in with (what a prediction is made at): learning
+            # against the latter measured no better (docs/BENCH.md "Latency targets: how good the predictions are").
             n = obs.inflight_mean if obs.inflight_mean is not None else (obs.inflight_at_start + obs.inflight_at_end) / 2
             line = self.tpot_lines.get(obs.pool)
             if line is None:

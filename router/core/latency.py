@@ -63,8 +63,8 @@ class Latency:
     """The predictor and the choice over it. TTFT: the prefix scorer's cost model (router.affinity, through
     Figures.queued_s: the wait per request there, the prefill queued there, a queue for a slot beyond the running
     limit) plus this prompt's prefill of what the endpoint does not hold. TPOT: the pool's learned seconds per
-    output token at the load it would then run (load + 1), speculation included: the adaptive policy's speed model
-    of that endpoint or pool once it has one, else the figures' TPOT line (Figures.tpot_at; the prior when cold).
+    output token after the first at the load it would then run (load + 1), speculation included: the figures'
+    TPOT line (Figures.tpot_at; the prior when cold), whatever the policy.
     `block_bytes`: the prefix index's block size (what a matched depth is in tokens)."""
 
     def __init__(self, figures: Figures, block_bytes: int = BLOCK_BYTES) -> None:
@@ -87,13 +87,9 @@ class Latency:
         return self.figures.queued_s(e) + c.ttft_s_per_token * max(0, ptok - self.held(snap, e, ptok))
 
     def tpot(self, e: Endpoint, policy: object) -> float:
-        n = e.load_estimate + 1
-        speeds = getattr(policy, "speeds", None)  # router.estimator.SpeedEstimator of the adaptive policy
-        if speeds is not None and speeds.key(e) is not None:
-            p = speeds.params(e)
-            # Beyond its running limit a request waits (the TTFT's slot queue), then runs in a full batch.
-            return p.token_time(p.running(n))
-        return self.figures.tpot_at(e.pool, n)
+        # The figures' decode-only line whatever the policy: the adaptive speed model's token time holds the time
+        # to first token too (router.estimator.sample), several times a long prompt's TPOT. `policy`: unused.
+        return self.figures.tpot_at(e.pool, e.load_estimate + 1)
 
     def forecast(self, snap: Snapshot, e: Endpoint, policy: object, ptok: int) -> Forecast:
         t = snap.targets

@@ -11,8 +11,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router import exporter, handlers
-from router.app import build_pools
-from router.discovery import Discovery, Resolver
+from router.app import build_discovery, build_pools
+from router.discovery import Resolver
 from router.epp.decide import Decider
 from router.epp.server import Processor, build_server, set_health
 from router.errors import error_middleware
@@ -69,9 +69,9 @@ class Epp:
         self.processor: Processor | None = None
         self.health_checker = HealthChecker(self.pools, settings, self.metrics)
         self.learner = Learner(self.pools)
-        self.discovery = (Discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
-                          if settings.discovery == "dns" else None)
+        self.discovery = build_discovery(self.pools, settings, self.metrics, resolver, on_added=self._probe_new)
         self._ready_task: asyncio.Task | None = None
+        self.is_ready = False  # the gRPC readiness service says SERVING
         # load_signal backend, as in serve: each backend's own running + waiting figures (other pickers' and
         # routers' requests included), polled through a client of the picker's own (it proxies nothing).
         self.load_client: Client | None = None
@@ -79,7 +79,7 @@ class Epp:
 
     async def start(self) -> int:
         s = self.settings
-        self.server, self.processor, self.health = build_server(self.decider, s.max_body_bytes)
+        self.server, self.processor, self.health = build_server(self.decider, s.max_body_bytes, s.epp_response_body)
         _check_free(s.host, s.epp_port)
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = self.server.add_insecure_port(f"{host}:{s.epp_port}")
@@ -135,16 +135,27 @@ class Epp:
         # A newcomer carries no traffic until a probe passes: probe it now rather than at the next round.
         if self.health_checker.client is not None:
             await self.health_checker.probe(b)
+        await self._maybe_ready()
 
     async def _ready(self) -> None:
         # Ready once every backend was probed once: the picker's view of the pools is synced then.
         await self.health_checker.first_round.wait()
+        await self._maybe_ready()
+
+    async def _maybe_ready(self) -> None:
+        # With no backend yet (discovery found none: its API unreachable at start, a pool at zero) there is
+        # nothing to pick: not ready until one has joined and been probed (_probe_new calls this again).
+        if self.is_ready or self.server is None or not self.health_checker.first_round.is_set() \
+                or not self.pools.backends:
+            return
+        self.is_ready = True
         await set_health(self.health, ready=True)
 
     async def stop(self) -> None:
         if self.server is None:
             return
         server, self.server = self.server, None
+        self.is_ready = False
         await set_health(self.health, ready=False)
         # grace: open streams may finish; then they are cancelled and their leases end (Processor.Process).
         await server.stop(grace=self.settings.drain_timeout)

@@ -2,6 +2,7 @@
 the first) or the reason to answer at once out. Every call to Pools and Lease of the picker is in this module."""
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -59,7 +60,7 @@ class Pick:
         self.targets = targets
         self.forecast = forecast
         self.metrics = metrics
-        self.head = head  # the body's stream keys (None: no body)
+        self.head = head  # the body's stream keys (None: no body, or read and let go by the server)
         self.lease = lease
         self.endpoints = endpoints
         self.placement = placement  # router.core.plugins.Placement, None when prefix routing is off
@@ -106,6 +107,12 @@ class Pick:
         """The request went to the backend without a stream to watch: it runs from now."""
         if not self._ended:
             self.lease.start()
+
+    def answering(self) -> None:
+        """The answer's headers came and no first token will be seen (the picker does not read the body): the
+        request runs from now and the prefill it queued is over."""
+        if not self._ended:
+            self.lease.prefilled()
 
     def chunk(self, data_events: int) -> None:
         """A streamed chunk came; the first one is the first token."""
@@ -191,9 +198,13 @@ class Decider:
             if not allowed:
                 return NoHealthyBackend(f"no ready endpoint in the subset hint ({len(req.subset)} named)")
         only = None
-        if allowed is not None or self.max_per_backend is not None:
-            # The hint and the cap narrow the endpoints before the one decision (router.core), never after it.
-            room = [b for b in (allowed if allowed is not None else pools.backends) if b.routable and self._has_room(b)]
+        cap = self.max_per_backend
+        cands = allowed if allowed is not None else pools.backends
+        # The hint and the cap narrow the endpoints before the one decision (router.core), never after it. With no
+        # hint and no backend at the cap there is nothing to narrow: one pass, no set built (O(backends) work
+        # per decision that showed at 256 backends: docs/BENCH.md).
+        if allowed is not None or (cap is not None and any(b.inflight >= cap for b in cands)):
+            room = [b for b in cands if b.routable and self._has_room(b)]
             if not room:
                 if not any(b.routable for b in pools.backends):
                     return no_backend(pools.backends)
@@ -213,11 +224,14 @@ class Decider:
         lease, decision, placement, forecast = got if len(got) == 4 else (*got, None)
         self._count(decision, placement)
         first = lease.backend
-        # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded first.
-        rest = sorted((b for b in (allowed if allowed is not None else pools.backends)
-                       if b is not first and b.routable and self._has_room(b)),
-                      key=lambda b: (b.pool != first.pool, b.load_estimate))
-        endpoints = [endpoint_of(b.url) for b in [first, *rest][:self.endpoints]]
+        endpoints = [endpoint_of(first.url)]
+        if self.endpoints > 1:
+            # Fallbacks: the other routable backends with room (within the hint), same pool first, least loaded
+            # first (nsmallest: sorted's order, without sorting them all).
+            rest = heapq.nsmallest(self.endpoints - 1, (b for b in cands if b is not first and b.routable
+                                                        and self._has_room(b)),
+                                   key=lambda b: (b.pool != first.pool, b.load_estimate))
+            endpoints += [endpoint_of(b.url) for b in rest]
         return Pick(pools, lease, endpoints, placement, head, targets, forecast, self.metrics)
 
     def _count(self, decision: Decision, placement: Placement | None) -> None:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -49,6 +50,10 @@ HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalP
 # An answer not streamed is kept this far to read its usage (a longer one goes unread); and an SSE event held
 # back until its end comes, at most this long.
 USAGE_SCAN_BYTES = 1 << 20
+# epp_response_body: the picker reads every response chunk (stream) or the response headers and the stream's end
+# only (none); Envoy's own report of its response body mode (ProcessingRequest.protocol_config) wins.
+STREAM, NONE = "stream", "none"
+BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
 
 
 def _header(headers: base_pb2.HeaderMap, name: str) -> str | None:
@@ -118,11 +123,14 @@ def immediate(err: RouterError) -> pb.ProcessingResponse:
 
 
 class Exchange:
-    """One ext_proc stream (one HTTP request): what it read so far and its pick, ended exactly once."""
+    """One ext_proc stream (one HTTP request): what it read so far and its pick, ended exactly once.
+    `response_body`: STREAM (every response chunk comes here) or NONE (the headers and the stream's end only)."""
 
-    def __init__(self, decider: Decider, max_body_bytes: int) -> None:
+    def __init__(self, decider: Decider, max_body_bytes: int, response_body: str = STREAM) -> None:
         self.decider = decider
         self.max_body_bytes = max_body_bytes
+        self.watch_body = response_body == STREAM
+        self.envoy_disagrees = False  # Envoy reported another response body mode than the setting (it won)
         self.pinned: str | None = None
         self.slo: tuple[str | None, str | None] = (None, None)  # the latency target headers (router.slo)
         self.subset: list[str] | None = None
@@ -138,6 +146,11 @@ class Exchange:
     def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = req.WhichOneof("request")
         if kind == "request_headers":
+            if req.HasField("protocol_config"):
+                # What Envoy will send decides how the answer is read (and whether usage may be asked for).
+                sends_body = req.protocol_config.response_body_mode != BODY_NONE
+                self.envoy_disagrees = sends_body != self.watch_body
+                self.watch_body = sends_body
             headers = req.request_headers.headers
             self.pinned = _header(headers, POOL_HEADER.lower())
             self.slo = (_header(headers, SLO_TTFT_HEADER), _header(headers, SLO_TPOT_HEADER))
@@ -171,13 +184,15 @@ class Exchange:
         if isinstance(got, RouterError):
             return [immediate(got)]
         self.pick = got
+        # What the request's body told is read here, once: the open request keeps neither copy of its body.
+        head, got.head, self.body = got.head, None, bytearray()
         value = ",".join(got.endpoints)
         set_headers = [(DESTINATION, value)]
         if got.forecast is not None:  # the prediction, for the backend's logs (and back on the answer below)
             set_headers += [(k.lower(), v) for k, v in predicted_headers(got.forecast).items()]
-        head = got.head
-        if body and head is not None and head.streamed and not head.wants_usage:
-            # The usage chunk tells the tokens the lease ran for (as in serve); the client still gets none.
+        if body and self.watch_body and head is not None and head.streamed and not head.wants_usage:
+            # The usage chunk tells the tokens the lease ran for (as in serve); the client still gets none. Not
+            # when the picker sees no response body: it could not take the chunk out.
             body, self.strip = with_usage(body, head), True
             set_headers.append(("content-length", str(len(body))))
         # The same value in the header and the metadata, as the protocol requires.
@@ -213,7 +228,10 @@ class Exchange:
             if self.pick.forecast is not None:
                 answer += list(predicted_headers(self.pick.forecast).items())
             mutation = _set_headers(answer)
-            if not self.sse:
+            if not self.watch_body:
+                # No first token will be seen: the headers stand for it (the prefill it queued is done).
+                self.pick.answering()
+            elif not self.sse:
                 self.pick.sent()
             if req.response_headers.end_of_stream:
                 self._end()
@@ -248,34 +266,50 @@ class Exchange:
         pick = self.pick
         if pick is None or pick.ended:
             return
-        complete = self.done if self.sse else True
+        # Without the body nothing tells a stream cut mid-way from a finished one: it ends as finished.
+        complete = self.done if self.sse and self.watch_body else True
         if not self.sse and self.status == 200 and b'"usage"' in self.answer:
             pick.usage.take(usage_view(bytes(self.answer)))
         pick.end(200 <= self.status < 300 and complete)
 
-    def abandon(self) -> None:
-        """The stream ended before the answer did (reset, cancel, error): the lease ends here, once."""
-        if self.pick is not None and not self.pick.ended:
+    def closed(self) -> None:
+        """The ext_proc stream ended (Envoy closed it, reset or cancelled it): the lease ends here, once. With the
+        body watched the answer's own end came first, so this is an abandoned answer; without it this is the
+        answer's end (Envoy keeps the stream open until the HTTP stream ends: response_trailer_mode SEND), a
+        success when the response headers came with a 2xx."""
+        if self.pick is None or self.pick.ended:
+            return
+        if not self.watch_body and self.status:
+            self._end()
+        else:
             self.pick.end(False)
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, decider: Decider, max_body_bytes: int) -> None:
+    def __init__(self, decider: Decider, max_body_bytes: int, response_body: str = STREAM) -> None:
         self.decider = decider
         self.max_body_bytes = max_body_bytes
+        self.response_body = response_body
+        self.warned = False  # the setting disagreeing with Envoy's body mode is said once
         self.open: set[Exchange] = set()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        ex = Exchange(self.decider, self.max_body_bytes)
+        ex = Exchange(self.decider, self.max_body_bytes, self.response_body)
         self.open.add(ex)
         try:
             async for req in request_iterator:
                 for resp in ex.handle(req):
                     yield resp
+                if ex.envoy_disagrees and not self.warned:
+                    self.warned = True
+                    log.warning("epp_response_body is %s but Envoy %s the response body: read as Envoy sends it "
+                                "(deploy/envoy/envoy%s.yaml goes with %s)", self.response_body,
+                                "sends" if ex.watch_body else "does not send",
+                                "-headers" if self.response_body == NONE else "", self.response_body)
         finally:
             self.open.discard(ex)
-            ex.abandon()
+            ex.closed()
 
 
 async def set_health(health: HealthServicer, ready: bool) -> None:
@@ -285,10 +319,11 @@ async def set_health(health: HealthServicer, ready: bool) -> None:
         await health.set(name, status)
 
 
-def build_server(decider: Decider, max_body_bytes: int) -> tuple[grpc.aio.Server, Processor, HealthServicer]:
+def build_server(decider: Decider, max_body_bytes: int, response_body: str = STREAM
+                 ) -> tuple[grpc.aio.Server, Processor, HealthServicer]:
     # No SO_REUSEPORT: a second picker on the same port must fail to start, not share the port unnoticed.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    processor = Processor(decider, max_body_bytes)
+    processor = Processor(decider, max_body_bytes, response_body)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
