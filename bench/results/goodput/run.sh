@@ -9,7 +9,8 @@
 # usage: bash bench/results/goodput/run.sh [OUT_DIR]   (NAME=stem, ROUTER_FLAGS="--router-flag=... ...")
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=${1:-bench/results/goodput}
+OUT=bench/results/goodput
+if [ $# -gt 0 ]; then OUT=$1; fi
 NAME=${NAME:-goodput}
 TRACE=${TRACE:-../shared/data/mooncake/conversation_trace_first_30min.jsonl}
 PY=.venv/bin/python
