@@ -21,12 +21,30 @@ import aiohttp
 from bench import classmix, cli, figures, procs
 from bench.cli import ArgError, NotServing
 from bench.lab import peers
-from bench.lab.prefixcompare import OURS_FLAGS, loadavg, sim_stats
 
 TRACE = Path("../shared/data/mooncake/conversation_trace_first_30min.jsonl")
 KIMI, LLAMA = "kimi-k2.5-sim", "llama-3.3-70b-sim"  # one served name per group: smg routes by model name
 GROUPS = ("kimi", "compose")
 OURS, DIRECT, SMG = "ours", "direct", "smg:cache_aware"
+# Our router as the compose files run it (prefixcompare's too: a command imports no other command).
+OURS_FLAGS = ["--load-signal", "backend", "--load-interval", "0.5"]
+
+
+def loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+async def sim_stats(urls: list[str]) -> list[dict]:
+    """Each simulator's /_sim/stats (its request and token counters)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        out = []
+        for u in urls:
+            async with s.get(u + "/_sim/stats") as r:
+                out.append(await r.json())
+        return out
 
 
 @dataclass
