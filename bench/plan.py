@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from bench import classmix, figures, planmodel, replay
+from bench import classmix, figures, planmodel, trace
 from bench import fleet as fleet_mod
 from bench.breakeven import make_plan, plan_json, render
 from bench.cli import ArgError, int_list, nonneg, parser, positive
@@ -219,8 +219,8 @@ def fleet_inputs(ns, inputs: planmodel.Inputs | None) -> fleet_mod.FleetAdvice |
         raise ArgError("--fleet needs --trace FILE (a Mooncake trace)")
     box = inputs.box
     classes = tuple(classmix.build(ns.class_mix, ns.class_targets))
-    reqs = replay.load_trace(ns.trace)
-    wl = replay.trace_workload(reqs, str(ns.trace), limit=None, window=(0.0, ns.window_end),
+    reqs = trace.load_trace(ns.trace)
+    wl = trace.trace_workload(reqs, str(ns.trace), limit=None, window=(0.0, ns.window_end),
                                token_scale=ns.token_scale, num_rounds=1, sample=ns.sample_conversations)
     traffic = fleet_mod.traffic_of([s.trace for s in wl.sessions], wl.span_s * ns.slowdown, ns.token_scale,
                                    wl.description)

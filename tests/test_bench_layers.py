@@ -17,6 +17,9 @@ COMMAND_MODULES = {module for module, _ in COMMANDS.values()}
 HELPER_EXCEPTIONS = {
     "bench.calibration": {"bench.sim.fit"},
     "bench.planmodel": {"bench.sim.fit"},
+    "bench.fleet": {"bench.sim.fit"},
+    # a lab script that starts one `goodput` row (its servers and router) and keeps the replay's per-request JSON
+    "bench.lab.predictionrun": {"bench.lab.goodput"},
     "bench.sim.stepcost": {"bench.sim.fit"},
 }
 

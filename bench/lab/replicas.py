@@ -194,7 +194,7 @@ def run_signal(cfg: Config, signal: str) -> SignalRun:
 def start_epp_front(group: procs.ProcGroup, cfg: Config, spec: list[str], base: list[str], flags: list[str],
                     signal: str) -> procs.Proc:
     """`cfg.replicas` pickers and one Envoy whose picker cluster holds them all; returns Envoy (its URL)."""
-    from bench.overhead import OverheadError, envoy_config, start_envoy
+    from bench.envoyproc import EnvoyError, envoy_config, start_envoy
 
     ports = []
     for i in range(cfg.replicas):
@@ -215,7 +215,7 @@ def start_epp_front(group: procs.ProcGroup, cfg: Config, spec: list[str], base: 
     tmp = Path(tempfile.mkdtemp(prefix="replicas-envoy-"))
     try:
         envoy = group.add(start_envoy(f"envoy-{signal}", yaml.safe_dump(config), tmp))
-    except OverheadError as exc:
+    except EnvoyError as exc:
         raise procs.ProcError(str(exc)) from None
     run_async(wait_picked(envoy.url, within=30.0))
     return envoy

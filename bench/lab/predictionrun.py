@@ -4,7 +4,7 @@ row): fresh simulators and a cold router, started as bench/lab/goodput.py starts
 Kimi's trace with the default class mix; its text (with the predictions table) goes to OUT.txt, its JSON (per
 request: predicted and measured) to OUT.json.
 
-usage: nice -n 10 .venv/bin/python bench/results/goodput/prediction-run.py OUT.txt [M] [WINDOW_END_S] [SPEEDUP]
+usage: nice -n 10 .venv/bin/python -m bench.lab.predictionrun OUT.txt [M] [WINDOW_END_S] [SPEEDUP]
        (defaults: M 10, window 600 s, speedup 20; env WARMUP=N requests, default 50; TRACE=the Mooncake JSONL)"""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
         cmd += ["--prediction-warmup", os.environ.get("WARMUP", "50")]
         rc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
         out.with_suffix(".txt").write_text(
-            f"# {' '.join(['prediction-run.py', *argv])}: servers {dep.servers}, router {ns.policy} "
+            f"# {' '.join(['python -m bench.lab.predictionrun', *argv])}: servers {dep.servers}, router {ns.policy} "
             f"{' '.join(goodput.OURS_FLAGS)}, targets sent; one conversation in {sample} of "
             f"{ns.trace} seconds 0..{window:g}, clocks {speedup:g}x\n" + rc.stdout, encoding="utf-8")
         src = Path(tmp) / "replay.json"
