@@ -209,3 +209,49 @@ def score(records: Sequence[tuple[RequestRecord, str]], classes: Sequence[Reques
     good = sum(p["good"] for p in per.values())
     return {"goodput": good / duration_s if duration_s > 0 else 0.0, "good": good,
             "shed": sum(p["shed"] for p in per.values()), "classes": per}
+
+
+# Goodput over time from a cold start: the run's requests in the order they were sent, cut into WINDOWS windows of
+# equal count; the warm-up ends at the first window from which every window's goodput stays within BAND of the
+# mean of the last half of the windows (the run's settled goodput, as far as one run shows it).
+WINDOWS, BAND = 4, 0.10
+
+
+def over_time(records: Sequence[tuple[RequestRecord, str]], classes: Sequence[RequestClass], *, speedup: float,
+              windows: int = WINDOWS, band: float = BAND) -> dict | None:
+    """Each window scored by `score` over its own span (first start to last end of its requests less 429s, in the
+    target's time, as the whole run's goodput is), its send rate (its requests over the time from its first send to
+    the next window's first; the last window: to its own last send), goodput and each targeted class's attainment;
+    then the warm-up in requests: those sent before the first window that stays within `band`. None without
+    requests; `warm_from` None when even the last windows do not stay within the band."""
+    order = sorted(records, key=lambda x: x[0].start)
+    n = min(windows, len(order))
+    if n == 0:
+        return None
+    k = float(speedup)
+    targeted = [c.name for c in classes if c.ttft_ms is not None or c.tpot_ms is not None]
+    sizes = [len(order) // n + (i < len(order) % n) for i in range(n)]
+    out: list[dict] = []
+    first = 0
+    for size in sizes:
+        part = order[first:first + size]
+        kept = [r for r, _ in part if not is_shed(r)]
+        span = (max(r.end for r in kept) - min(r.start for r in kept)) * k if kept else 0.0
+        nxt = order[first + size][0].start if first + size < len(order) else part[-1][0].start
+        sent_span = (nxt - part[0][0].start) * k
+        count = size if first + size < len(order) else size - 1  # the last window: gaps between its own sends
+        s = score(part, classes, speedup=k, duration_s=span)
+        out.append({"first": first, "requests": size, "span_s": span,
+                    "sent_rate": count / sent_span if sent_span > 0 else None,
+                    "goodput": s["goodput"], "good": s["good"], "shed": s["shed"],
+                    "attainment": {c: s["classes"][c]["attainment"] for c in targeted}})
+        first += size
+    tail = out[n - max(1, n // 2):]
+    ref = sum(w["goodput"] for w in tail) / len(tail)
+    warm = None
+    for i in range(n - 1, -1, -1):  # walk back from the end while every window stays within the band
+        if abs(out[i]["goodput"] - ref) > band * ref:
+            break
+        warm = i
+    return {"windows": out, "band": band, "reference_windows": len(tail), "reference_goodput": ref,
+            "warm_from": warm, "warmup_requests": None if warm is None else out[warm]["first"]}

@@ -328,6 +328,8 @@ def level_figures(sent: list[Sent], wl: Workload, *, speedup: float, slowdown: f
                              speedup=speedup, duration_s=fig["duration_s"])
         fig["class_goodput"], fig["class_good"], fig["shed"] = mix["goodput"], mix["good"], mix["shed"]
         fig["classes"] = mix["classes"]
+        fig["goodput_over_time"] = classmix.over_time([(s.record, s.klass) for s in sent if s.klass is not None],
+                                                      classes, speedup=speedup)
         fig["unattributed_failed"] = sum(1 for s in sent if s.klass is None)  # cut at the level's cap
     predicted = prediction_records(sent)
     fig["predictions"] = predictions.summarize(predicted, prediction_warmup)
@@ -421,6 +423,28 @@ def render_classes(results: dict[str, list[dict]]) -> list[str]:
                        + (f", service_tier {c['tier']}" if c["tier"] else "") for n, c in c0.items())
     return ["", f"class mix ({legend}); goodput = requests meeting their class's targets per second (no targets: "
                 "completed); met = that over the class's requests less its 429s; latencies (ms) exclude 429s"] \
+        + figures.grid(rows) + [line for name, f in figs for line in render_over_time(name, f)]
+
+
+def render_over_time(name: str, f: dict) -> list[str]:
+    """Goodput per window of requests in the order sent (a cold target's warm-up), and where it settles."""
+    w = f.get("goodput_over_time")
+    if not w:
+        return []
+    names = list(w["windows"][0]["attainment"])
+    rows = [["window", "requests", "sent/s", "goodput/s", "shed"] + [f"{n} met" for n in names]]
+    for i, x in enumerate(w["windows"]):
+        rows.append([f"{i + 1}{' *' if w['warm_from'] is not None and i >= w['warm_from'] else ''}",
+                     f"{x['first'] + 1}-{x['first'] + x['requests']}", _f(x["sent_rate"], 3), _f(x["goodput"], 3),
+                     str(x["shed"])] + ["-" if x["attainment"][n] is None else f"{100 * x['attainment'][n]:.0f}%"
+                                        for n in names])
+    n, ref = len(w["windows"]), w["reference_goodput"]
+    said = (f"{w['warmup_requests']} requests (windows marked *)" if w["warm_from"] is not None
+            else "not reached in this run")
+    return ["", f"{name} slowdown {f['slowdown']:g}: goodput over time, {n} windows of equal count in the order sent "
+                f"(goodput over each window's own span, met = attainment); warm-up = the requests before the first "
+                f"window from which every window's goodput stays within {100 * w['band']:.0f}% of the last "
+                f"{w['reference_windows']} windows' mean ({ref:.3f}/s): {said}"] \
         + figures.grid(rows)
 
 
