@@ -144,6 +144,56 @@ def test_a_class_with_only_shed_requests_has_no_attainment():
     assert got["classes"]["flex"]["attainment"] is None and got["goodput"] == 0.0
 
 
+# ---- goodput over time (a cold start's warm-up) ---------------------------------------------------
+
+def at(start: float, ttft_s: float | None, latency_s: float, tokens: int, error: str | None = None) -> RequestRecord:
+    return RequestRecord(start=start, end=start + latency_s, ttft=ttft_s, output_tokens=tokens, error=error)
+
+
+MET = (0.1, 0.1 + 0.002 * 10, 11)  # speedup 10: TTFT 1 s, TPOT 20 ms: meets interactive
+SLOW = (0.9, 0.9 + 0.002 * 10, 11)  # TTFT 9 s: misses interactive
+
+
+def test_windows_cut_the_requests_in_the_order_sent_and_judge_them_as_the_run_is():
+    # 10 requests sent 1 s apart (wall; 10 s at speedup 10), given out of order: windows of 3, 3, 2, 2
+    recs = [(at(float(i), *(SLOW if i < 3 else MET)), "interactive") for i in range(10)]
+    got = classmix.over_time(list(reversed(recs)), [INTERACTIVE, DEFAULT], speedup=10)
+    w = got["windows"]
+    assert [(x["first"], x["requests"]) for x in w] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert [x["good"] for x in w] == [0, 3, 2, 2]
+    assert [x["attainment"] for x in w] == [{"interactive": 0.0}] + [{"interactive": 1.0}] * 3  # default: no target
+    # each window's span: its first start to its last end (target's time), as the run's goodput is computed
+    assert w[1]["span_s"] == pytest.approx((5.12 - 3.0) * 10) and w[1]["goodput"] == pytest.approx(3 / 21.2)
+    # sent/s: up to the next window's first send; the last window: between its own sends
+    assert [x["sent_rate"] for x in w] == pytest.approx([0.1] * 4)
+    # the same judge as the whole run: each window's goodput is `score`'s over its requests and span
+    assert w[2]["goodput"] == pytest.approx(classmix.score(recs[6:8], [INTERACTIVE, DEFAULT], speedup=10,
+                                                           duration_s=w[2]["span_s"])["goodput"])
+    assert got["reference_windows"] == 2 and got["reference_goodput"] == pytest.approx(2 / 11.2)
+    # window 2 (3 good over 21.2 s) is 21% under the last two's mean: warm from window 3, after 6 requests
+    assert (got["warm_from"], got["warmup_requests"]) == (2, 6)
+    # a wider band takes window 2 in; the first window (nothing met) never
+    assert classmix.over_time(recs, [INTERACTIVE], speedup=10, band=0.25)["warmup_requests"] == 3
+
+
+def test_a_run_that_never_settles_has_no_warm_up_and_shed_requests_stay_out_of_the_span():
+    # the last window alone differs from the mean of the last two by more than 10%: not reached
+    recs = [(at(float(i), *(MET if i < 6 else SLOW)), "interactive") for i in range(8)]
+    got = classmix.over_time(recs, [INTERACTIVE], speedup=10)
+    assert [x["good"] for x in got["windows"]] == [2, 2, 2, 0]
+    assert got["warm_from"] is None and got["warmup_requests"] is None
+    # a 429 counts in its window's requests and shed, not in its span or attainment
+    shed = [(at(0.0, None, 50.0, 0, "HTTP 429: shed"), "flex"), (at(1.0, *MET), "flex"), (at(2.0, *MET), "flex")]
+    one = classmix.over_time(shed, [FLEX], speedup=10, windows=1)
+    x, = one["windows"]
+    assert (x["requests"], x["shed"], x["good"], x["attainment"]) == (3, 1, 2, {"flex": 1.0})
+    assert x["span_s"] == pytest.approx((2.12 - 1.0) * 10)
+    assert (one["warm_from"], one["warmup_requests"]) == (0, 0)  # one window is its own reference
+    # fewer requests than windows: one window each; none at all: nothing to say
+    assert len(classmix.over_time(shed[1:], [FLEX], speedup=10)["windows"]) == 2
+    assert classmix.over_time([], [FLEX], speedup=10) is None
+
+
 # ---- end to end: what each class sends, and a 429 counted as shed ---------------------------------
 
 async def _main_in_thread(argv: list[str]) -> int:
@@ -188,3 +238,8 @@ async def test_each_class_sends_its_targets_and_429s_are_shed(raw_backend_factor
     data = json.loads((out / "replay.json").read_text())["config"]
     assert data["send_targets"] is send and [c["name"] for c in data["class_mix"]] == ["interactive", "default", "flex"]
     assert "class mix (interactive 30%: targets TTFT 5000 ms, TPOT 30 ms" in text
+    # goodput over time: 4 windows of 10 in the order sent, every request in one, the same judge as the run
+    w = fig["goodput_over_time"]
+    assert [x["requests"] for x in w["windows"]] == [10] * 4 and sum(x["good"] for x in w["windows"]) == 40 - shed
+    assert sum(x["shed"] for x in w["windows"]) == shed and set(w["windows"][0]["attainment"]) == {"interactive", "flex"}
+    assert "raw slowdown 1: goodput over time, 4 windows of equal count" in text
