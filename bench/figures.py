@@ -241,6 +241,17 @@ def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(_clean(payload), indent=2) + "\n", encoding="utf-8")
 
 
+def write_run(out: Path, name: str, config: dict, rows: list[dict], text: str, write_rows) -> list[Path]:
+    """A lab run's three outputs in `out`: NAME.json (config and rows), NAME.csv (`write_rows(path, rows)`) and
+    NAME.txt (the table as printed); says where it wrote them."""
+    paths = [out / f"{name}.json", out / f"{name}.csv", out / f"{name}.txt"]
+    write_json(paths[0], {"config": config, "rows": rows})
+    write_rows(paths[1], rows)
+    paths[2].write_text(text + "\n", encoding="utf-8")
+    print("wrote " + ", ".join(str(x) for x in paths))
+    return paths
+
+
 CSV_FIELDS = ["target", "concurrency", "request_rate", "completed", "failed", "duration_s",
               "total_output_tokens", "total_input_tokens", "request_throughput", "output_throughput",
               "steady_output_throughput", "steady_window_s", "total_token_throughput", "mean_concurrency", "accept_length"] + [

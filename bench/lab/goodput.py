@@ -349,11 +349,7 @@ def main(argv: list[str]) -> int:
     rows.sort(key=lambda r: (r["group"], r["sample_conversations"]))  # one load level's rows together
     text = render(rows, config)
     print(text)
-    paths = [ns.out / f"{ns.name}.json", ns.out / f"{ns.name}.csv", ns.out / f"{ns.name}.txt"]
-    figures.write_json(paths[0], {"config": config, "rows": rows})
-    write_csv(paths[1], rows)
-    paths[2].write_text(text + "\n", encoding="utf-8")
-    print("wrote " + ", ".join(str(x) for x in paths))
+    figures.write_run(ns.out, ns.name, config, rows, text, write_csv)
     ran = [r for r in rows if "skipped" not in r]
     return 0 if ran and all(r["completed"] for r in ran) else 1
 

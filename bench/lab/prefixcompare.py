@@ -374,11 +374,7 @@ def main(argv: list[str]) -> int:
     config["loadavg_end"] = loadavg()
     text = render(rows, config)
     print(text)
-    paths = [ns.out / f"{ns.name}.json", ns.out / f"{ns.name}.csv", ns.out / f"{ns.name}.txt"]
-    figures.write_json(paths[0], {"config": config, "rows": rows})
-    write_csv(paths[1], rows)
-    paths[2].write_text(text + "\n", encoding="utf-8")
-    print("wrote " + ", ".join(str(x) for x in paths))
+    figures.write_run(ns.out, ns.name, config, rows, text, write_csv)
     ran = [r for r in rows if "skipped" not in r]
     if not ran or any(r["completed"] == 0 for r in ran):
         print("spec-bench prefixcompare: a router completed no request; see the table", file=sys.stderr)
