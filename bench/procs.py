@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # An HTTP server prints its URL; `spec-router epp` (gRPC) prints HOST:PORT.
 LISTEN_RE = re.compile(r"^listening on ((?:http://)?\S+)\s*$")
@@ -212,3 +213,23 @@ def pinned(cpus: set[int] | None):
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def loadavg() -> str:
+    """This machine's load average line, for a run's record ("n/a" where there is no /proc)."""
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+async def sim_stats(urls: list[str]) -> list[dict]:
+    """Each simulator's /_sim/stats (its request and token counters), in order."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        out = []
+        for u in urls:
+            async with s.get(u + "/_sim/stats") as r:
+                out.append(await r.json())
+        return out

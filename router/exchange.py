@@ -29,7 +29,7 @@ from router.headers import (
     predicted_headers,
 )
 from router.health import no_backend
-from router.observe import OK, Attempt, Observation
+from router.observe import OK, Attempt, finished
 from router.policy import RETRY
 from router.pools import Lease
 from router.prefix import prompt_of
@@ -289,18 +289,10 @@ class Exchange:
             return
         if self.watchdog is not None:
             self.watchdog.upstream_done()
-        b = lease.backend
         # A stream is finished only by its [DONE]; a buffered answer (no watchdog) by its whole body.
         ok = self.code.startswith("2") and (complete or self.watchdog is None)
-        u = self.usage
-        # What ran beside it, and its wait for a place, are read at its first token: a stream's only.
-        streamed = self.ttft is not None
-        obs = Observation(
-            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=lease.beside if streamed else None,
-            waited_s=lease.waited if streamed else None)  # cached: None until a usage came
+        obs = finished(lease, self.usage, inflight_at_start=self.inflight_at_start, t0=self.t0, ttft=self.ttft,
+                       chunks=self.chunks, ok=ok, data_events=self.data_events)
         try:
             lease.finish(obs, self.st.pools, self.placement)
         finally:

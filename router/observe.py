@@ -1,6 +1,7 @@
 """What the proxy tells the pools about each upstream attempt and each finished exchange (the learning seam)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from router.errors import Failure
@@ -80,3 +81,19 @@ class LoadFigures:
     max_running: int | None = None  # SGLang's max_running_requests: beyond it requests wait
     max_total_tokens: int | None = None  # max_total_num_tokens: KV capacity, prefix cache included
     cache_hit_rate: float | None = None  # cached share of the prompt tokens of its last prefill step
+
+
+def finished(lease, usage, *, inflight_at_start: int, t0: float, ttft: float | None, chunks: int, ok: bool,
+             data_events: int) -> Observation:
+    """A finished exchange as both front ends (router.exchange, router.epp.decide) report it at its lease's end:
+    `usage` (router.streaming.Usage) gives the tokens when one came; what ran beside it and its wait for a place
+    are read at its first token, so a stream's only."""
+    b = lease.backend
+    u = usage
+    streamed = ttft is not None
+    return Observation(
+        b.pool, b.url, inflight_at_start, b.inflight, time.monotonic() - t0, ttft,
+        u.completion if u.seen else None, chunks, ok, lease.mean_inflight(),
+        u.prompt if u.seen else None, u.cached, data_events=data_events,
+        running_beside=lease.beside if streamed else None,
+        waited_s=lease.waited if streamed else None)  # cached: None until a usage came

@@ -30,23 +30,6 @@ OURS, DIRECT, SMG = "ours", "direct", "smg:cache_aware"
 OURS_FLAGS = ["--load-signal", "backend", "--load-interval", "0.5"]
 
 
-def loadavg() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "n/a"
-
-
-async def sim_stats(urls: list[str]) -> list[dict]:
-    """Each simulator's /_sim/stats (its request and token counters)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        out = []
-        for u in urls:
-            async with s.get(u + "/_sim/stats") as r:
-                out.append(await r.json())
-        return out
-
-
 @dataclass
 class Deployment:
     name: str
@@ -181,7 +164,7 @@ def run_one(dep: Deployment, sample: int, ns, tmp: Path) -> dict:
     model = KIMI if dep.group == "kimi" else LLAMA
     row = {"deployment": dep.name, "group": dep.group, "gpus": dep.gpus, "servers": dep.servers, "router": dep.router,
            "send_targets": dep.send_targets, "sample_conversations": sample, "speedup": speedup,
-           "loadavg_before": loadavg()}
+           "loadavg_before": procs.loadavg()}
     stem = f"{dep.name}-m{sample}".replace("+", "_")
     t0 = time.monotonic()
     if dep.router == SMG and peers.version(peers.parse(SMG)[0]) is None:
@@ -210,12 +193,12 @@ def run_one(dep: Deployment, sample: int, ns, tmp: Path) -> dict:
                 cli.run_async(cli.wait_serving(url, model=model, within=60.0))
         except (peers.PeerError, NotServing, procs.ProcError) as exc:
             print(f"goodput: {dep.name}: skipped: {exc}", file=sys.stderr)
-            return {**row, "skipped": str(exc), "wall_s": round(time.monotonic() - t0, 1), "loadavg_after": loadavg()}
-        before = cli.run_async(sim_stats(spec + base))
+            return {**row, "skipped": str(exc), "wall_s": round(time.monotonic() - t0, 1), "loadavg_after": procs.loadavg()}
+        before = cli.run_async(procs.sim_stats(spec + base))
         with open(tmp / f"{stem}.replay.log", "w", encoding="utf-8") as out:
             rc = subprocess.run(replay_cmd(ns, dep, sample, speedup, model, url, tmp, stem), stdout=out,
                                 stderr=subprocess.STDOUT, check=False).returncode
-        after = cli.run_async(sim_stats(spec + base))
+        after = cli.run_async(procs.sim_stats(spec + base))
         if dep.router == OURS:
             row["router_slo"] = cli.run_async(slo_metrics(url))
     result = tmp / f"{stem}.json"
@@ -231,7 +214,7 @@ def run_one(dep: Deployment, sample: int, ns, tmp: Path) -> dict:
     row.update({k: fig.get(k) for k in keep})
     row.update(description=data["config"]["description"], served_speculative=sum(served[:len(spec)]),
                served_baseline=sum(served[len(spec):]), wall_s=round(time.monotonic() - t0, 1),
-               loadavg_after=loadavg())
+               loadavg_after=procs.loadavg())
     print(f"goodput: {dep.name} M={sample}: goodput {row['class_goodput']:.3f}/s, {row['completed']} ok, "
           f"{row['failed'] + row['not_sent']} failed, {row['shed']} shed ({row['wall_s']:.0f} s, load "
           f"{row['loadavg_after'].split()[0]})", file=sys.stderr)
@@ -334,7 +317,7 @@ def main(argv: list[str]) -> int:
                                         + (f", service_tier {c.tier}" if c.tier else "") for c in classes),
               "kv_tokens": {g: kv_budgets(g) for g in ns.groups},
               "peers": {n: peers.version(p) for n, p in peers.PEERS.items()}, "cpus": os.cpu_count(),
-              "loadavg_start": loadavg()}
+              "loadavg_start": procs.loadavg()}
     rows: list[dict] = []
     ns.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -345,7 +328,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("spec-bench goodput: interrupted", file=sys.stderr)
         return 130
-    config["loadavg_end"] = loadavg()
+    config["loadavg_end"] = procs.loadavg()
     rows.sort(key=lambda r: (r["group"], r["sample_conversations"]))  # one load level's rows together
     text = render(rows, config)
     print(text)

@@ -189,15 +189,6 @@ def start_router(group: procs.ProcGroup, which: str, b: Backends, ns, log: Path)
     return p, f"{peer.name} {peers.version(peer)} {policy}"
 
 
-async def sim_stats(urls: list[str]) -> list[dict]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        out = []
-        for u in urls:
-            async with s.get(u + "/_sim/stats") as r:
-                out.append(await r.json())
-        return out
-
-
 DECISION_RE = re.compile(r'^router_prefix_decisions_total\{([^}]*)\}\s+(\S+)$', re.M)
 
 
@@ -225,22 +216,15 @@ def replay_cmd(ns, dep: Deployment, name: str, url: str, out: Path) -> list[str]
     return cmd
 
 
-def loadavg() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "n/a"
-
-
 def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
     row = {"deployment": dep.name, "kind": dep.kind, "gpus": dep.gpus, "instances": dep.instances,
-           "slowdown": dep.slowdown, "sample_conversations": dep.sample, "router": which, "loadavg_before": loadavg()}
+           "slowdown": dep.slowdown, "sample_conversations": dep.sample, "router": which, "loadavg_before": procs.loadavg()}
     t0 = time.monotonic()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{dep.name}-{which}")
     if which not in (OURS, OURS_NO_PREFIX, OURS_NO_CROSS) and peers.version(peers.parse(which)[0]) is None:
         reason = f"{peers.parse(which)[0].name} is not installed (pip install 'spec-router[peers]')"
         print(f"prefixcompare: {dep.name} {which}: skipped: {reason}", file=sys.stderr)
-        return {**row, "skipped": reason, "wall_s": 0.0, "loadavg_after": loadavg()}
+        return {**row, "skipped": reason, "wall_s": 0.0, "loadavg_after": procs.loadavg()}
     with procs.ProcGroup() as group:
         try:
             b = start_backends(group, dep, ns)
@@ -248,17 +232,17 @@ def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
             cli.run_async(cli.wait_serving(router.url, model=MODEL, within=60.0, proc=router.proc,
                                            log=tmp / f"{stem}.log"))
         except (peers.PeerError, NotServing, procs.ProcError) as exc:
-            row.update(skipped=str(exc), wall_s=round(time.monotonic() - t0, 1), loadavg_after=loadavg())
+            row.update(skipped=str(exc), wall_s=round(time.monotonic() - t0, 1), loadavg_after=procs.loadavg())
             print(f"prefixcompare: {dep.name} {which}: skipped: {exc}", file=sys.stderr)
             return row
         row["label"] = label
-        before = cli.run_async(sim_stats(b.all))  # the readiness ping, and anything else before the replay
+        before = cli.run_async(procs.sim_stats(b.all))  # the readiness ping, and anything else before the replay
         ours = which in (OURS, OURS_NO_PREFIX, OURS_NO_CROSS)
         decided = cli.run_async(our_decisions(router.url)) if ours else {}
         with open(tmp / f"{stem}.replay.log", "w", encoding="utf-8") as log:
             rc = subprocess.run(replay_cmd(ns, dep, stem, router.url, tmp), stdout=log, stderr=subprocess.STDOUT,
                                 check=False).returncode
-        after = cli.run_async(sim_stats(b.all))
+        after = cli.run_async(procs.sim_stats(b.all))
         if ours:
             row["decisions"] = {k: v - decided.get(k, 0) for k, v in cli.run_async(our_decisions(router.url)).items()
                                 if v - decided.get(k, 0)}
@@ -281,7 +265,7 @@ def run_one(dep: Deployment, which: str, ns, tmp: Path) -> dict:
         request_throughput=fig["request_throughput"], request_rate=fig["request_rate"],
         served_per_backend=served, imbalance=(max(served) / mean) if mean else None,
         pool_served={"speculative": sum(served[:len(b.speculative)]), "baseline": sum(served[len(b.speculative):])},
-        wall_s=round(time.monotonic() - t0, 1), loadavg_after=loadavg())
+        wall_s=round(time.monotonic() - t0, 1), loadavg_after=procs.loadavg())
     print(f"prefixcompare: {dep.name} {which}: hit {_pct(row['cache_hit_ratio'])}, TTFT mean "
           f"{_n(row['mean_ttft_ms'])} ms p90 {_n(row['p90_ttft_ms'])} ms, {row['completed']} ok "
           f"{row['failed']} failed ({row['wall_s']:.0f} s, load {row['loadavg_after'].split()[0]})", file=sys.stderr)
@@ -360,7 +344,7 @@ def main(argv: list[str]) -> int:
               "speedup": ns.speedup, "policy": ns.policy, "ours_flags": OURS_FLAGS + list(ns.router_flag), "model": MODEL,
               "pool_profile": POOL_PROFILE, "kv_tokens": ns.kv_tokens, "split": SPLIT, "colocated": COLOCATED,
               "peers": {n: peers.version(p) for n, p in peers.PEERS.items()}, "cpus": os.cpu_count(),
-              "loadavg_start": loadavg()}
+              "loadavg_start": procs.loadavg()}
     rows: list[dict] = []
     ns.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -371,7 +355,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("spec-bench prefixcompare: interrupted", file=sys.stderr)
         return 130
-    config["loadavg_end"] = loadavg()
+    config["loadavg_end"] = procs.loadavg()
     text = render(rows, config)
     print(text)
     figures.write_run(ns.out, ns.name, config, rows, text, write_csv)

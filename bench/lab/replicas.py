@@ -160,12 +160,7 @@ async def drive(cfg: Config, run: SignalRun, routers: list[str], spec_sims: list
 
 
 async def _served(urls: list[str]) -> int:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-        total = 0
-        for u in urls:
-            async with s.get(u + "/_sim/stats") as r:
-                total += int((await r.json())["completed_total"])
-        return total
+    return sum(int(st["completed_total"]) for st in await procs.sim_stats(urls))
 
 
 def run_signal(cfg: Config, signal: str) -> SignalRun:

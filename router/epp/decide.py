@@ -14,7 +14,7 @@ from router.errors import BadRequest, Failure, NoHealthyBackend, RouterError, Ta
 from router.headers import pinned_pool
 from router.health import no_backend
 from router.metrics import Metrics
-from router.observe import OK, Attempt, Observation
+from router.observe import OK, Attempt, finished
 from router.policy import Decision
 from router.pools import Backend, Lease, Pools
 from router.prefix import prompt_of
@@ -131,15 +131,8 @@ class Pick:
             return
         self._ended = True
         lease = self.lease
-        b = lease.backend
-        u = self.usage
-        streamed = self.ttft is not None
-        obs = Observation(
-            b.pool, b.url, self.inflight_at_start, b.inflight, time.monotonic() - self.t0, self.ttft,
-            u.completion if u.seen else None, self.chunks, ok, lease.mean_inflight(),
-            u.prompt if u.seen else None, u.cached, data_events=self.data_events,
-            running_beside=lease.beside if streamed else None,
-            waited_s=lease.waited if streamed else None)
+        obs = finished(lease, self.usage, inflight_at_start=self.inflight_at_start, t0=self.t0, ttft=self.ttft,
+                       chunks=self.chunks, ok=ok, data_events=self.data_events)
         lease.finish(obs, self.pools, self.placement)
         if self.targets is not None and self.forecast is not None and self.metrics is not None:
             self.metrics.slo_done(tier_label(self.targets), self.targets, self.forecast, obs)
